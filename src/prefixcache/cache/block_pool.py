@@ -1,0 +1,172 @@
+"""Physical block records, the intrusive free queue and the key -> block index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prefixcache.cache.hashing import ROOT_UID
+from prefixcache.cache.stats import CacheStats
+
+
+class Block:
+    """One physical KV block: id, refcount, identity once full, free-queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "key", "uid", "digest", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: tuple | None = None  # set only while this block is the indexed copy
+        self.uid = 0  # content id of a full, committed block (0: none)
+        self.digest: bytes | None = None  # portable chained digest of that content
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, uid={self.uid})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks: O(1) pop, push and unlink.
+
+    The head is the next eviction victim; the tail the most recently freed block.
+    """
+
+    __slots__ = ("head", "tail", "size")
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.head = Block(-1)  # sentinels: no None checks on the hot path
+        self.tail = Block(-2)
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.size = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> Block:
+        """Remove and return the head (the least recently freed block)."""
+        block = self.head.next_free
+        assert block is not self.tail, "popleft from an empty free queue"
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        """Unlink ``block`` from anywhere in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.size -= 1
+
+    def append(self, block: Block) -> None:
+        """Put ``block`` at the tail: evicted last."""
+        last = self.tail.prev_free
+        block.prev_free, block.next_free = last, self.tail
+        last.next_free = block
+        self.tail.prev_free = block
+        self.size += 1
+
+    def appendleft(self, block: Block) -> None:
+        """Put ``block`` at the head: reused first (it holds nothing worth keeping)."""
+        first = self.head.next_free
+        block.prev_free, block.next_free = self.head, first
+        first.prev_free = block
+        self.head.next_free = block
+        self.size += 1
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self.head.next_free
+        while block is not self.tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class BlockPool:
+    """All physical blocks, the free queue, and the index of cached content.
+
+    Eviction is lazy: a freed block keeps its key and stays matchable until it is
+    popped for reuse; only then is its mapping removed and its identity cleared.
+    """
+
+    def __init__(self, num_blocks: int, stats: CacheStats) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[tuple, Block] = {}
+        self.stats = stats
+        self._next_uid = ROOT_UID + 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.size
+
+    def allocate(self, count: int) -> list[Block]:
+        """Take ``count`` blocks from the head, evicting whatever they cached."""
+        assert count <= self.free_queue.size, "allocate beyond the free blocks"
+        taken = []
+        popleft = self.free_queue.popleft
+        for _ in range(count):
+            block = popleft()
+            if block.uid:
+                self._forget(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        if self.free_queue.size < self.stats.min_free_blocks:
+            self.stats.min_free_blocks = self.free_queue.size
+        return taken
+
+    def _forget(self, block: Block) -> None:
+        """Drop the block's mapping and identity before its slot is reused."""
+        if block.key is not None:
+            del self.cached[block.key]
+            block.key = None
+            self.stats.evictions += 1
+        block.uid = 0
+        block.digest = None
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on each hit, pulling free ones out of the queue."""
+        remove = self.free_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference each, in the order given; refcount 0 goes to the queue."""
+        queue = self.free_queue
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
+
+    def store(self, block: Block, key: tuple, digest: bytes) -> int:
+        """Record ``block`` as holding ``key``; a duplicate keeps the indexed copy's uid."""
+        existing = self.cached.get(key)
+        if existing is None:
+            uid = self._next_uid
+            self._next_uid += 1
+            self.cached[key] = block
+            block.key = key
+            self.stats.stored_blocks += 1
+        else:
+            uid = existing.uid
+            self.stats.duplicate_blocks += 1
+        block.uid = uid
+        block.digest = digest
+        return uid
+
+    def drop_all_cached(self) -> int:
+        """Forget every mapping; only valid while no block is referenced."""
+        dropped = len(self.cached)
+        for block in self.blocks:
+            block.key = None
+            block.uid = 0
+            block.digest = None
+        self.cached.clear()
+        return dropped

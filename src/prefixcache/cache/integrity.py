@@ -1,0 +1,106 @@
+"""Whole-pool invariant checks; each failure names the rule it breaks."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.cache.manager import KVCacheManager
+    from prefixcache.cache.sequence import Sequence
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise AssertionError with ``message`` (unlike ``assert``, never stripped)."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def check(manager: KVCacheManager) -> None:
+    """Verify the free queue, the refcounts, the index and every live table."""
+    free_ids = _check_free_queue(manager)
+    _check_refcounts(manager, free_ids)
+    _check_index(manager)
+    for seq in manager.sequences.values():
+        _check_sequence(manager, seq)
+
+
+def _check_free_queue(manager: KVCacheManager) -> set[int]:
+    """The queue's links are consistent and it holds only refcount-0 blocks, once each."""
+    queue = manager.pool.free_queue
+    seen: set[int] = set()
+    previous = queue.head
+    block = queue.head.next_free
+    while block is not queue.tail:
+        require(block is not None, "free queue: broken forward link")
+        require(block.prev_free is previous, f"free queue: bad back link at {block}")
+        require(block.block_id not in seen, f"free queue: {block} appears twice")
+        require(block.ref_cnt == 0, f"rule 6: {block} is in the free queue while in use")
+        seen.add(block.block_id)
+        previous, block = block, block.next_free
+    require(queue.tail.prev_free is previous, "free queue: tail back link is stale")
+    require(len(seen) == queue.size, f"free queue: size {queue.size} != {len(seen)} linked")
+    return seen
+
+
+def _check_refcounts(manager: KVCacheManager, free_ids: set[int]) -> None:
+    """Each refcount equals the tables holding the block; free + used == total."""
+    held = Counter(block.block_id for seq in manager.sequences.values() for block in seq.blocks)
+    for block in manager.pool.blocks:
+        require(
+            block.ref_cnt == held[block.block_id],
+            f"rule 6: {block} has refcount {block.ref_cnt} but "
+            f"{held[block.block_id]} live tables hold it",
+        )
+        in_use = block.ref_cnt > 0
+        require(
+            in_use != (block.block_id in free_ids),
+            f"rule 5: {block} is {'both free and in a table' if in_use else 'lost'}",
+        )
+    used = sum(1 for block in manager.pool.blocks if block.ref_cnt > 0)
+    require(
+        used + len(free_ids) == manager.num_blocks,
+        f"counts: {used} used + {len(free_ids)} free != {manager.num_blocks} blocks",
+    )
+
+
+def _check_index(manager: KVCacheManager) -> None:
+    """Every mapping points at a block holding that key; every keyed block is mapped."""
+    cached = manager.pool.cached
+    for key, block in cached.items():
+        require(block.key == key, f"rule 8: stale mapping, key points at {block}")
+        require(block.uid != 0 and block.digest is not None, f"rule 8: {block} lost its id")
+    uids = [block.uid for block in cached.values()]
+    require(len(uids) == len(set(uids)), "rule 8: two indexed blocks share a content id")
+    for block in manager.pool.blocks:
+        if block.key is not None:
+            require(cached.get(block.key) is block, f"rule 8: {block} keyed but unmapped")
+        if block.uid == 0:
+            require(block.digest is None, f"rule 8: {block} has a digest but no identity")
+
+
+def _check_sequence(manager: KVCacheManager, seq: Sequence) -> None:
+    """A live table covers its tokens and its stored blocks still hold its content."""
+    block_size = manager.block_size
+    require(
+        len(seq.blocks) == -(-seq.num_tokens // block_size),
+        f"table: {seq.request_id!r} has {len(seq.blocks)} blocks for {seq.num_tokens} tokens",
+    )
+    require(
+        seq.block_table == [block.block_id for block in seq.blocks],
+        f"table: {seq.request_id!r} block_table disagrees with its blocks",
+    )
+    require(
+        seq.num_cached_tokens <= seq.num_computed_tokens <= seq.num_tokens
+        and seq.num_cached_tokens % block_size == 0
+        and seq.num_cached_tokens <= max(0, seq.num_prompt_tokens - 1),
+        f"rule 10: {seq.request_id!r} cached/computed counts are inconsistent",
+    )
+    for index, digest in enumerate(seq.digests):
+        block = seq.blocks[index]
+        require(block.digest == digest, f"rule 8: {block} of {seq.request_id!r} changed")
+        if block.key is not None:
+            require(
+                block.key[1] == seq.block_bytes(index),
+                f"rule 8: {block} is indexed under tokens {seq.request_id!r} does not hold",
+            )

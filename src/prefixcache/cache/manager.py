@@ -1,0 +1,281 @@
+"""KVCacheManager: admission, commit, append, fork and free over one block pool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+from prefixcache.cache import integrity
+from prefixcache.cache.block_pool import Block, BlockPool
+from prefixcache.cache.hashing import (
+    ROOT_UID,
+    Extras,
+    MultiModalItem,
+    Namespace,
+    block_digest,
+    block_extras,
+    encode_tokens,
+    get_hash_function,
+    namespace_digest,
+)
+from prefixcache.cache.sequence import Sequence
+from prefixcache.cache.stats import CacheStats
+from prefixcache.cache.validation import (
+    check_fits,
+    check_mm_items,
+    check_optional_str,
+    check_prompt,
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Paged KV blocks with automatic prefix caching (the article's allocator).
+
+    Capacity is checked before any side effect, and hits are touched before any
+    allocation, so an admission that fails changes nothing and a request never evicts
+    the prefix it has just found.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_caching: bool = True,
+        namespace: Namespace | None = None,
+        hash_algo: str = "sha256",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1"
+            )
+        self.namespace = namespace or Namespace(block_size=block_size)
+        if self.namespace.block_size != block_size:
+            raise ValueError(
+                f"namespace.block_size {self.namespace.block_size} != block_size {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self._hash_fn = get_hash_function(hash_algo)
+        self.root_digest = namespace_digest(self.namespace, self._hash_fn)
+        self.stats = CacheStats(min_free_blocks=num_blocks)
+        self.pool = BlockPool(num_blocks, self.stats)
+        self.sequences: dict[str, Sequence] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with refcount 0, cached or not: what an allocation can take."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by live requests."""
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def match(
+        self,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_items: SequenceOf[MultiModalItem] = (),
+    ) -> int:
+        """Tokens ``admit`` would serve from cache right now; changes nothing."""
+        token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
+        return len(self._lookup(token_bytes, len(token_ids), extras)) * self.block_size
+
+    # -------------------------------------------------------------- lifecycle
+    def admit(
+        self,
+        request_id: str,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_items: SequenceOf[MultiModalItem] = (),
+    ) -> Sequence | None:
+        """Allocate a request's blocks, reusing its cached prefix; None if it cannot fit.
+
+        Raises CapacityError when the prompt needs more blocks than the whole pool.
+        """
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already admitted")
+        token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
+        num_tokens = len(token_ids)
+        num_needed = cdiv(num_tokens, self.block_size)
+        check_fits(num_needed, num_tokens, self.block_size, self.num_blocks)
+        hits = self._lookup(token_bytes, num_tokens, extras)
+        reclaimed = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_needed - len(hits) > self.pool.num_free_blocks - reclaimed:
+            self.stats.failed_admissions += 1
+            return None
+        self.pool.touch(hits)  # before allocate: never evict the prefix just found
+        blocks = hits + self.pool.allocate(num_needed - len(hits))
+        seq = Sequence(
+            request_id,
+            self.block_size,
+            list(token_ids),
+            token_bytes,
+            blocks,
+            extras,
+            self._hash_fn,
+            self.root_digest,
+        )
+        seq.cache_salt, seq.lora_name, seq.mm_items = cache_salt, lora_name, tuple(mm_items)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.digests = [block.digest for block in hits]
+        self.sequences[request_id] = seq
+        self._count_admission(num_tokens, seq.num_cached_tokens)
+        return seq
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """KV of tokens [0, num_tokens) is computed: its full blocks become matchable."""
+        self._check_live(seq)
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"commit of {num_tokens} tokens; the sequence has {seq.num_tokens}")
+        seq.num_computed_tokens = max(seq.num_computed_tokens, num_tokens)
+        if self.enable_caching:
+            for index in range(len(seq.digests), seq.num_computed_tokens // self.block_size):
+                self._store_block(seq, index)
+
+    def append(self, seq: Sequence, token_ids: SequenceOf[int]) -> bool:
+        """Add generated tokens; False (and nothing changed) when out of blocks.
+
+        A shared partial last block (after ``fork``) is copied first; the engine must
+        apply ``pop_pending_copies()`` before writing KV into it.
+        """
+        self._check_live(seq)
+        encode_tokens(token_ids)  # validates every id before any change
+        if not token_ids:
+            return True
+        num_new = cdiv(seq.num_tokens + len(token_ids), self.block_size) - len(seq.blocks)
+        last = seq.blocks[-1]
+        copy_on_write = seq.num_tokens % self.block_size != 0 and last.ref_cnt > 1
+        if num_new + copy_on_write > self.pool.num_free_blocks:
+            return False
+        if copy_on_write:
+            self._copy_last_block(seq)
+        new_blocks = self.pool.allocate(num_new)
+        seq.blocks.extend(new_blocks)
+        seq.block_table.extend(block.block_id for block in new_blocks)
+        seq.token_ids.extend(token_ids)
+        return True
+
+    def fork(self, seq: Sequence, request_id: str) -> Sequence:
+        """A new request sharing every block of ``seq`` (copy-on-write for the tail)."""
+        self._check_live(seq)
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already admitted")
+        child = seq.clone(request_id)
+        self.pool.touch(child.blocks)
+        self.sequences[request_id] = child
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block, deepest first, so shared shallow prefixes live longest."""
+        self._check_live(seq)
+        self.pool.release(reversed(seq.blocks))
+        del self.sequences[seq.request_id]
+        seq.blocks = []
+        seq.block_table = []
+
+    def reset(self) -> bool:
+        """Drop every cached block; False (nothing dropped) while any block is in use."""
+        if self.pool.num_free_blocks != self.num_blocks:
+            return False
+        self.pool.drop_all_cached()
+        self.stats.resets += 1
+        return True
+
+    def pop_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block ids whose KV the engine must copy, oldest first."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def check_invariants(self) -> None:
+        """AssertionError naming the first violated invariant (DESIGN.md rules 5-8)."""
+        integrity.check(self)
+
+    # ---------------------------------------------------------------- helpers
+    def _prepare(
+        self,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None,
+        lora_name: str | None,
+        mm_items: SequenceOf[MultiModalItem],
+    ) -> tuple[bytes, dict[int, Extras]]:
+        """Validate a request; return its token bytes and per-block extra keys."""
+        check_prompt(token_ids)
+        check_optional_str("cache_salt", cache_salt)
+        check_optional_str("lora_name", lora_name)
+        check_mm_items(mm_items, len(token_ids))
+        token_bytes = encode_tokens(token_ids)
+        special = {0} | {
+            index
+            for item in mm_items
+            for index in range(
+                item.offset // self.block_size,
+                cdiv(item.offset + item.length, self.block_size),
+            )
+        }
+        extras = {}
+        for index in special:
+            found = block_extras(index, self.block_size, cache_salt, lora_name, mm_items)
+            if found:
+                extras[index] = found
+        return token_bytes, extras
+
+    def _lookup(self, token_bytes: bytes, num_tokens: int, extras: dict) -> list[Block]:
+        """Walk the chain block by block; stop at the first miss (rule 4, rule 10 cap)."""
+        if not self.enable_caching:
+            return []
+        get = self.pool.cached.get
+        step = self.block_size * 4
+        hits: list[Block] = []
+        parent = ROOT_UID
+        for index in range((num_tokens - 1) // self.block_size):
+            chunk = token_bytes[index * step : (index + 1) * step]
+            extra = extras.get(index) if extras else None
+            block = get((parent, chunk, extra) if extra else (parent, chunk))
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.uid
+        return hits
+
+    def _store_block(self, seq: Sequence, index: int) -> None:
+        """Make full block ``index`` of ``seq`` matchable (lazily digesting it once)."""
+        block = seq.blocks[index]
+        if not block.uid:  # a sharer (fork) may already have stored it
+            chunk = seq.block_bytes(index)
+            extra = seq.extras.get(index)
+            parent = seq.blocks[index - 1].uid if index else ROOT_UID
+            key = (parent, chunk, extra) if extra else (parent, chunk)
+            digest = block_digest(seq.parent_digest(index), chunk, extra or (), self._hash_fn)
+            self.pool.store(block, key, digest)
+        seq.digests.append(block.digest)
+
+    def _copy_last_block(self, seq: Sequence) -> None:
+        """Copy-on-write: give ``seq`` a private copy of its shared partial last block."""
+        (copy,) = self.pool.allocate(1)
+        shared = seq.blocks[-1]
+        self.pool.release([shared])
+        seq.blocks[-1] = copy
+        seq.block_table[-1] = copy.block_id
+        self._pending_copies.append((shared.block_id, copy.block_id))
+        self.stats.cow_copies += 1
+
+    def _check_live(self, seq: Sequence) -> None:
+        if self.sequences.get(seq.request_id) is not seq:
+            raise ValueError(f"sequence {seq.request_id!r} is not live in this manager")
+
+    def _count_admission(self, num_tokens: int, num_cached: int) -> None:
+        self.stats.requests += 1
+        self.stats.queries += num_tokens
+        self.stats.hits += num_cached

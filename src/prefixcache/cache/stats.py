@@ -1,0 +1,30 @@
+"""Counters the cache keeps as it works: the raw material for metrics and reports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Cumulative cache counters; token counts unless the name says blocks."""
+
+    requests: int = 0  # successful admissions
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens served from cache
+    failed_admissions: int = 0  # admit() returned None: not enough free blocks
+    stored_blocks: int = 0  # full blocks that became matchable
+    duplicate_blocks: int = 0  # committed blocks whose content was already indexed
+    evictions: int = 0  # indexed blocks whose slot was reused for other content
+    cow_copies: int = 0  # shared partial blocks copied before an append
+    resets: int = 0  # successful reset() calls
+    min_free_blocks: int = 0  # low watermark of the free queue
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of queried prompt tokens that were served from cache."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """All counters plus the hit rate, for reports and JSON."""
+        return {**asdict(self), "hit_rate": self.hit_rate}

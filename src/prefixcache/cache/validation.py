@@ -1,0 +1,49 @@
+"""Checks on what callers hand the cache: each error names the problem and the limit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefixcache.cache.hashing import MultiModalItem
+
+
+class CapacityError(ValueError):
+    """A request that can never fit: it needs more blocks than the whole pool holds."""
+
+
+def check_prompt(token_ids: Sequence[int]) -> None:
+    """A prompt is a non-empty list of token ids (each id is checked when encoded)."""
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise ValueError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    if len(token_ids) == 0:
+        raise ValueError("token_ids is empty: a prompt needs at least 1 token")
+
+
+def check_optional_str(name: str, value: object) -> None:
+    """``cache_salt`` and ``lora_name`` are strings or None."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string or None, got {type(value).__name__}")
+
+
+def check_mm_items(items: Sequence[MultiModalItem], num_tokens: int) -> None:
+    """Each multimodal item lies inside the prompt and has a non-empty identifier."""
+    for index, item in enumerate(items):
+        if not isinstance(item, MultiModalItem):
+            raise ValueError(f"mm_items[{index}] must be a MultiModalItem")
+        if not item.identifier:
+            raise ValueError(f"mm_items[{index}].identifier is empty")
+        if item.offset < 0 or item.length < 1 or item.offset + item.length > num_tokens:
+            raise ValueError(
+                f"mm_items[{index}] covers [{item.offset}, {item.offset + item.length}),"
+                f" outside the prompt's {num_tokens} tokens"
+            )
+
+
+def check_fits(num_blocks_needed: int, num_tokens: int, block_size: int, total: int) -> None:
+    """Raise CapacityError for a request larger than the whole pool."""
+    if num_blocks_needed > total:
+        raise CapacityError(
+            f"request needs {num_blocks_needed} blocks ({num_tokens} tokens at block size "
+            f"{block_size}) but the pool has only {total} blocks "
+            f"({total * block_size} tokens)"
+        )

@@ -1,0 +1,45 @@
+"""The ``prefixcache`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, with a message naming the limit."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All subcommands and their options."""
+    parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    lab = commands.add_parser("lab", help="the article's hash-chain lab, on the real cache")
+    lab.add_argument("--block-size", type=positive_int, default=4, help="tokens per block")
+    lab.add_argument(
+        "--no-salt",
+        action="store_true",
+        help="give both tenants no salt (the article's unsafe Variation 2)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    if args.command == "lab":
+        from prefixcache.tools import lab
+
+        print("\n".join(lab.run(block_size=args.block_size, use_salt=not args.no_salt)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Shared fixtures: every manager a test makes must end full and consistent."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from prefixcache import KVCacheManager
+
+settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture
+def make_manager() -> Iterator[Callable[..., KVCacheManager]]:
+    """Factory for managers; at teardown each must be full again and pass its checks."""
+    made: list[KVCacheManager] = []
+
+    def factory(*args: object, **kwargs: object) -> KVCacheManager:
+        manager = KVCacheManager(*args, **kwargs)
+        made.append(manager)
+        return manager
+
+    yield factory
+    for manager in made:
+        assert not manager.sequences, f"test left live sequences: {list(manager.sequences)}"
+        assert manager.num_free_blocks == manager.num_blocks, "test leaked blocks"
+        manager.check_invariants()
+
+
+def admit_computed(manager: KVCacheManager, request_id: str, tokens: list[int], **kw):
+    """Admit a request and mark its whole prompt computed, as an engine would."""
+    seq = manager.admit(request_id, tokens, **kw)
+    assert seq is not None, f"{request_id} did not fit"
+    manager.commit(seq, len(tokens))
+    return seq

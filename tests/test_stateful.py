@@ -1,0 +1,157 @@
+"""Random admit/commit/append/fork/free/reset on tiny pools, checked against shadow memory.
+
+Every commit writes the sequence's token ids into ``shadow[(block id, slot)]``, as an
+engine writes K/V. After every step each live sequence must read back exactly its own
+computed tokens through its block table: a block evicted while in use, a stale mapping,
+a shared block written without copy-on-write, all show up as another request's tokens.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from prefixcache import CapacityError, KVCacheManager
+from prefixcache.cache.manager import cdiv
+
+BASES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    [1, 2, 3, 4, 5, 6, 70, 80],
+    [1, 2, 3, 4],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48],
+    [],
+]
+TAILS = st.lists(st.integers(0, 3), max_size=9)
+SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """A model engine driving the real manager; the shadow dict is its KV memory."""
+
+    block_size = 4
+    num_blocks = 8
+    hash_algo = "sha256"
+    sequences = Bundle("sequences")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(self.num_blocks, self.block_size, hash_algo=self.hash_algo)
+        self.shadow: dict[tuple[int, int], int] = {}
+        self.next_id = 0
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _slot(self, seq, position: int) -> tuple[int, int]:
+        return seq.block_table[position // self.block_size], position % self.block_size
+
+    @rule(target=sequences, base=st.sampled_from(BASES), tail=TAILS, salt=SALTS)
+    def admit(self, base, tail, salt):
+        tokens = base + tail or [0]
+        free_before = self.manager.num_free_blocks
+        expected_hit = self.manager.match(tokens, cache_salt=salt)
+        try:
+            seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt)
+        except CapacityError:
+            assert cdiv(len(tokens), self.block_size) > self.num_blocks
+            return multiple()  # nothing to add
+        if seq is None:
+            assert self.manager.num_free_blocks == free_before
+            return multiple()
+        assert seq.num_cached_tokens == expected_hit
+        assert seq.num_cached_tokens <= len(tokens) - 1
+        return seq
+
+    @rule(seq=sequences, data=st.data())
+    def commit(self, seq, data):
+        if seq.request_id not in self.manager.sequences:
+            return
+        upto = data.draw(st.integers(seq.num_computed_tokens, seq.num_tokens))
+        for position in range(seq.num_computed_tokens, upto):
+            self.shadow[self._slot(seq, position)] = seq.token_ids[position]
+        self.manager.commit(seq, upto)
+
+    @rule(seq=sequences, tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def append(self, seq, tokens):
+        if seq.request_id not in self.manager.sequences:
+            return
+        before = (list(seq.block_table), seq.num_tokens, self.manager.num_free_blocks)
+        if not self.manager.append(seq, tokens):
+            assert (seq.block_table, seq.num_tokens, self.manager.num_free_blocks) == before
+            return
+        for source, destination in self.manager.pop_pending_copies():
+            for slot in range(self.block_size):
+                if (source, slot) in self.shadow:
+                    self.shadow[(destination, slot)] = self.shadow[(source, slot)]
+
+    @rule(target=sequences, seq=sequences)
+    def fork(self, seq):
+        if seq.request_id not in self.manager.sequences:
+            return multiple()
+        return self.manager.fork(seq, self._new_id())
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        if seq.request_id in self.manager.sequences:
+            self.manager.free(seq)
+
+    @rule()
+    def reset(self):
+        idle = not self.manager.sequences
+        assert self.manager.reset() == idle
+        if idle:
+            assert not self.manager.pool.cached
+            assert all(self.manager.match(base + [0]) == 0 for base in BASES)
+
+    @precondition(lambda self: self.manager.sequences)
+    @invariant()
+    def live_sequences_read_back_their_own_tokens(self):
+        for seq in self.manager.sequences.values():
+            for position in range(seq.num_computed_tokens):
+                found = self.shadow.get(self._slot(seq, position))
+                assert found == seq.token_ids[position], (
+                    f"{seq.request_id} position {position}: read {found}, "
+                    f"expected {seq.token_ids[position]}"
+                )
+
+    @invariant()
+    def pool_invariants_hold(self):
+        self.manager.check_invariants()
+
+    def teardown(self):
+        for seq in list(self.manager.sequences.values()):
+            self.manager.free(seq)
+        assert self.manager.num_free_blocks == self.num_blocks
+        self.manager.check_invariants()
+
+
+class SmallBlockMachine(CacheMachine):
+    """Block size 2, fewer blocks: more eviction and more copy-on-write."""
+
+    block_size = 2
+    num_blocks = 6
+
+
+class FastHashMachine(CacheMachine):
+    """The same rules hold with the optional xxh3_128 digest."""
+
+    hash_algo = "xxh3_128"
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestSmallBlockMachine = SmallBlockMachine.TestCase
+TestFastHashMachine = FastHashMachine.TestCase
+STATEFUL_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCacheMachine.settings = STATEFUL_SETTINGS
+TestSmallBlockMachine.settings = STATEFUL_SETTINGS
+TestFastHashMachine.settings = STATEFUL_SETTINGS
