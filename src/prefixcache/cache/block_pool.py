@@ -128,22 +128,43 @@ class BlockPool:
 
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on each hit, pulling free ones out of the queue."""
-        remove = self.free_queue.remove
+        unlinked = 0
         for block in blocks:
-            if block.ref_cnt == 0:
-                remove(block)
-            block.ref_cnt += 1
+            if block.ref_cnt:
+                block.ref_cnt += 1
+            else:  # unlink from the queue (inlined: this is the hot path)
+                prev, nxt = block.prev_free, block.next_free
+                prev.next_free, nxt.prev_free = nxt, prev
+                block.prev_free = block.next_free = None
+                block.ref_cnt = 1
+                unlinked += 1
+        self.free_queue.size -= unlinked
 
     def release(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference each, in the order given; refcount 0 goes to the queue."""
+        """Drop one reference each, in the order given; refcount 0 goes to the queue.
+
+        Cached blocks are spliced onto the tail as one run, in the order given (evicted
+        last); blocks holding nothing reusable go to the head, to be reused first.
+        """
         queue = self.free_queue
+        tail = queue.tail
+        last = tail.prev_free
+        linked = 0
+        empties = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.key is None:
-                    queue.appendleft(block)
+                    empties.append(block)
                 else:
-                    queue.append(block)
+                    block.prev_free = last
+                    last.next_free = last = block
+                    linked += 1
+        last.next_free = tail
+        tail.prev_free = last
+        queue.size += linked
+        for block in empties:
+            queue.appendleft(block)
 
     def store(self, block: Block, key: tuple, digest: bytes) -> int:
         """Record ``block`` as holding ``key``; a duplicate keeps the indexed copy's uid."""

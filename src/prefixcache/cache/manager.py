@@ -17,6 +17,7 @@ from prefixcache.cache.hashing import (
     get_hash_function,
     namespace_digest,
 )
+from prefixcache.cache.path_memo import PathMemo
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.validation import (
@@ -24,6 +25,7 @@ from prefixcache.cache.validation import (
     check_mm_items,
     check_optional_str,
     check_prompt,
+    check_token_ids,
 )
 
 
@@ -68,6 +70,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, self.stats)
         self.sequences: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._memo = PathMemo()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -89,7 +92,11 @@ class KVCacheManager:
     ) -> int:
         """Tokens ``admit`` would serve from cache right now; changes nothing."""
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
-        return len(self._lookup(token_bytes, len(token_ids), extras)) * self.block_size
+        if not self.enable_caching:
+            return 0
+        hits: list[Block] = []
+        self._walk(token_bytes, (len(token_ids) - 1) // self.block_size, extras, hits, [])
+        return len(hits) * self.block_size
 
     # -------------------------------------------------------------- lifecycle
     def admit(
@@ -111,8 +118,7 @@ class KVCacheManager:
         num_needed = cdiv(num_tokens, self.block_size)
         check_fits(num_needed, num_tokens, self.block_size, self.num_blocks)
         hits = self._lookup(token_bytes, num_tokens, extras)
-        reclaimed = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_needed - len(hits) > self.pool.num_free_blocks - reclaimed:
+        if not self._can_allocate(num_needed - len(hits), hits):
             self.stats.failed_admissions += 1
             return None
         self.pool.touch(hits)  # before allocate: never evict the prefix just found
@@ -129,20 +135,24 @@ class KVCacheManager:
         )
         seq.cache_salt, seq.lora_name, seq.mm_items = cache_salt, lora_name, tuple(mm_items)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        seq.digests = [block.digest for block in hits]
+        seq.num_stored_blocks = len(hits)
         self.sequences[request_id] = seq
         self._count_admission(num_tokens, seq.num_cached_tokens)
         return seq
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """KV of tokens [0, num_tokens) is computed: its full blocks become matchable."""
-        self._check_live(seq)
-        if not 0 <= num_tokens <= seq.num_tokens:
+        if self.sequences.get(seq.request_id) is not seq:
+            self._check_live(seq)
+        if not 0 <= num_tokens <= len(seq.token_ids):
             raise ValueError(f"commit of {num_tokens} tokens; the sequence has {seq.num_tokens}")
-        seq.num_computed_tokens = max(seq.num_computed_tokens, num_tokens)
-        if self.enable_caching:
-            for index in range(len(seq.digests), seq.num_computed_tokens // self.block_size):
+        if num_tokens > seq.num_computed_tokens:
+            seq.num_computed_tokens = num_tokens
+        full = seq.num_computed_tokens // self.block_size
+        if full > seq.num_stored_blocks and self.enable_caching:
+            for index in range(seq.num_stored_blocks, full):
                 self._store_block(seq, index)
+            seq.num_stored_blocks = full
 
     def append(self, seq: Sequence, token_ids: SequenceOf[int]) -> bool:
         """Add generated tokens; False (and nothing changed) when out of blocks.
@@ -150,13 +160,22 @@ class KVCacheManager:
         A shared partial last block (after ``fork``) is copied first; the engine must
         apply ``pop_pending_copies()`` before writing KV into it.
         """
-        self._check_live(seq)
-        encode_tokens(token_ids)  # validates every id before any change
-        if not token_ids:
-            return True
-        num_new = cdiv(seq.num_tokens + len(token_ids), self.block_size) - len(seq.blocks)
-        last = seq.blocks[-1]
-        copy_on_write = seq.num_tokens % self.block_size != 0 and last.ref_cnt > 1
+        if self.sequences.get(seq.request_id) is not seq:
+            self._check_live(seq)
+        check_token_ids(token_ids)
+        tokens = seq.token_ids
+        room = len(seq.blocks) * self.block_size - len(tokens)
+        # The common decode step: the tokens fit in a private, partly filled last block.
+        if len(token_ids) > room or (room and seq.blocks[-1].ref_cnt > 1):
+            num_new = cdiv(len(tokens) + len(token_ids), self.block_size) - len(seq.blocks)
+            if not self._grow(seq, num_new):
+                return False
+        tokens.extend(token_ids)
+        return True
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        """Give ``seq`` its new blocks and a private copy of a shared partial tail."""
+        copy_on_write = seq.num_tokens % self.block_size != 0 and seq.blocks[-1].ref_cnt > 1
         if num_new + copy_on_write > self.pool.num_free_blocks:
             return False
         if copy_on_write:
@@ -164,7 +183,6 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new)
         seq.blocks.extend(new_blocks)
         seq.block_table.extend(block.block_id for block in new_blocks)
-        seq.token_ids.extend(token_ids)
         return True
 
     def fork(self, seq: Sequence, request_id: str) -> Sequence:
@@ -190,6 +208,7 @@ class KVCacheManager:
         if self.pool.num_free_blocks != self.num_blocks:
             return False
         self.pool.drop_all_cached()
+        self._memo.clear()
         self.stats.resets += 1
         return True
 
@@ -232,22 +251,51 @@ class KVCacheManager:
         return token_bytes, extras
 
     def _lookup(self, token_bytes: bytes, num_tokens: int, extras: dict) -> list[Block]:
-        """Walk the chain block by block; stop at the first miss (rule 4, rule 10 cap)."""
+        """Cached blocks for an admission: the remembered path, then the dict walk."""
         if not self.enable_caching:
             return []
-        get = self.pool.cached.get
         step = self.block_size * 4
-        hits: list[Block] = []
-        parent = ROOT_UID
-        for index in range((num_tokens - 1) // self.block_size):
+        max_blocks = (num_tokens - 1) // self.block_size
+        memo_key = tuple(extras.items()) if extras else None
+        hits, uids = self._memo.recall(memo_key, token_bytes, max_blocks, step)
+        recalled = len(hits)
+        if recalled < max_blocks:
+            self._walk(token_bytes, max_blocks, extras, hits, uids)
+        if len(hits) > recalled:  # the walk learned something the memo did not know
+            self._memo.remember(memo_key, token_bytes, hits, uids, step)
+        return hits
+
+    def _walk(
+        self,
+        token_bytes: bytes,
+        max_blocks: int,
+        extras: dict,
+        hits: list[Block],
+        uids: list[int],
+    ) -> None:
+        """Extend ``hits`` block by block through the index; stop at the first miss.
+
+        Rule 4; ``max_blocks`` carries rule 10's cap. ``uids`` grows alongside.
+        """
+        step = self.block_size * 4
+        get = self.pool.cached.get
+        parent = uids[-1] if uids else ROOT_UID
+        for index in range(len(hits), max_blocks):
             chunk = token_bytes[index * step : (index + 1) * step]
             extra = extras.get(index) if extras else None
             block = get((parent, chunk, extra) if extra else (parent, chunk))
             if block is None:
                 break
-            hits.append(block)
             parent = block.uid
-        return hits
+            hits.append(block)
+            uids.append(parent)
+
+    def _can_allocate(self, num_new: int, hits: list[Block]) -> bool:
+        """Whether ``num_new`` blocks fit once the hits leave the free queue."""
+        free = self.pool.num_free_blocks
+        if num_new <= free - len(hits):  # true even if every hit sits in the queue
+            return True
+        return num_new <= free - sum(1 for block in hits if block.ref_cnt == 0)
 
     def _store_block(self, seq: Sequence, index: int) -> None:
         """Make full block ``index`` of ``seq`` matchable (lazily digesting it once)."""
@@ -259,7 +307,6 @@ class KVCacheManager:
             key = (parent, chunk, extra) if extra else (parent, chunk)
             digest = block_digest(seq.parent_digest(index), chunk, extra or (), self._hash_fn)
             self.pool.store(block, key, digest)
-        seq.digests.append(block.digest)
 
     def _copy_last_block(self, seq: Sequence) -> None:
         """Copy-on-write: give ``seq`` a private copy of its shared partial last block."""
@@ -272,6 +319,7 @@ class KVCacheManager:
         self.stats.cow_copies += 1
 
     def _check_live(self, seq: Sequence) -> None:
+        """ValueError unless ``seq`` is a live sequence of this manager."""
         if self.sequences.get(seq.request_id) is not seq:
             raise ValueError(f"sequence {seq.request_id!r} is not live in this manager")
 

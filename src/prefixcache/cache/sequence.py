@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 
 from prefixcache.cache.block_pool import Block
 from prefixcache.cache.hashing import Extras, MultiModalItem, block_digest, encode_tokens
+
+BLOCK_ID = attrgetter("block_id")
 
 
 class Sequence:
@@ -23,7 +26,7 @@ class Sequence:
         "lora_name",
         "mm_items",
         "extras",
-        "digests",
+        "num_stored_blocks",
         "num_prompt_tokens",
         "_prompt_bytes",
         "_hash_fn",
@@ -46,14 +49,14 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.blocks = blocks
-        self.block_table = [block.block_id for block in blocks]
+        self.block_table = list(map(BLOCK_ID, blocks))
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.cache_salt: str | None = None
         self.lora_name: str | None = None
         self.mm_items: tuple[MultiModalItem, ...] = ()
         self.extras = extras  # block index -> typed extra keys, only where non-empty
-        self.digests: list[bytes] = []  # portable digests of the stored full blocks
+        self.num_stored_blocks = 0  # leading full blocks that hold an identity
         self._prompt_bytes = prompt_bytes
         self._hash_fn = hash_fn
         self._root_digest = root_digest
@@ -81,7 +84,7 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.num_computed_tokens = self.num_computed_tokens
-        child.digests = list(self.digests)
+        child.num_stored_blocks = self.num_stored_blocks
         return child
 
     @property
@@ -96,8 +99,8 @@ class Sequence:
         return encode_tokens(self.token_ids[start:end])
 
     def parent_digest(self, index: int) -> bytes:
-        """Digest the chain of block ``index`` hangs from."""
-        return self.digests[index - 1] if index else self._root_digest
+        """Digest the chain of block ``index`` hangs from (a held block keeps its digest)."""
+        return self.blocks[index - 1].digest if index else self._root_digest
 
     @property
     def block_hashes(self) -> list[str]:
@@ -106,7 +109,7 @@ class Sequence:
 
     def full_block_digests(self) -> list[bytes]:
         """Stored digests, extended over full blocks not yet committed."""
-        digests = list(self.digests)
+        digests = [block.digest for block in self.blocks[: self.num_stored_blocks]]
         for index in range(len(digests), len(self.token_ids) // self.block_size):
             parent = digests[index - 1] if index else self._root_digest
             chunk = self.block_bytes(index)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixcache.cache.hashing import MultiModalItem
+from prefixcache.cache.hashing import MAX_TOKEN_ID, MultiModalItem, encode_tokens
 
 
 class CapacityError(ValueError):
@@ -17,6 +17,18 @@ def check_prompt(token_ids: Sequence[int]) -> None:
         raise ValueError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
     if len(token_ids) == 0:
         raise ValueError("token_ids is empty: a prompt needs at least 1 token")
+
+
+def check_token_ids(token_ids: Sequence[int]) -> None:
+    """Each id is an int in [0, 2**32); the error names the first bad one."""
+    if type(token_ids) is not list and (
+        isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence)
+    ):
+        raise ValueError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    for token in token_ids:
+        if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+            encode_tokens(token_ids)  # raises the precise error, or accepts int-likes
+            return
 
 
 def check_optional_str(name: str, value: object) -> None:
