@@ -1,16 +1,8 @@
 """The cache core: pure Python, no torch, no I/O. The engine and the simulator drive it."""
 
-from prefixcache.cache.hashing import MultiModalItem, Namespace
-from prefixcache.cache.manager import KVCacheManager
-from prefixcache.cache.sequence import Sequence
-from prefixcache.cache.stats import CacheStats
-from prefixcache.cache.validation import CapacityError
-
-__all__ = [
-    "CacheStats",
-    "CapacityError",
-    "KVCacheManager",
-    "MultiModalItem",
-    "Namespace",
-    "Sequence",
-]
+from prefixcache.cache.hashing import MultiModalItem as MultiModalItem
+from prefixcache.cache.hashing import Namespace as Namespace
+from prefixcache.cache.manager import KVCacheManager as KVCacheManager
+from prefixcache.cache.sequence import Sequence as Sequence
+from prefixcache.cache.stats import CacheStats as CacheStats
+from prefixcache.cache.validation import CapacityError as CapacityError
