@@ -1,0 +1,1 @@
+"""The serving engine: a Llama-family model on paged KV blocks, with continuous batching."""

@@ -1,0 +1,144 @@
+"""Requests, their branches (one per completion), and what the engine reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixcache.cache import Sequence
+from prefixcache.engine.sampling import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended (the strings OpenAI clients expect)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock milestones of one request (``time.perf_counter`` seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prefill_tokens: int = 0  # prompt tokens the model computed (not reused)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, in seconds."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a request: its text so far and why it stopped."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of a request's completions; ``text``/``token_ids`` are the first one's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    finished: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+class Request:
+    """What a user asked for: a prompt, sampling parameters, and ``n`` completions."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.cache_salt = cache_salt
+        self.seed = params.seed if params.seed is not None else seed
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.num_cached_tokens: int | None = None  # at first admission
+        self.branches: list[Branch] = [Branch(self, 0)]
+        self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(output.finish_reason is not None for output in self.outputs)
+
+    def snapshot(self) -> RequestOutput:
+        """A copy of the request's current state, safe to hand to another thread."""
+        outputs = [
+            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason)
+            for o in self.outputs
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt_token_ids,
+            outputs,
+            self.num_cached_tokens or 0,
+            self.metrics,
+            self.finished,
+        )
+
+
+class Branch:
+    """One completion being generated: the scheduler's unit of work."""
+
+    def __init__(self, request: Request, index: int) -> None:
+        self.request = request
+        self.index = index
+        self.seq: Sequence | None = None  # cache-side blocks, while admitted
+        self.generator = torch.Generator().manual_seed(request.seed + index)
+        self.arrival = 0  # FCFS position, set by the scheduler
+        self.passed_over = 0  # times a later arrival was admitted first
+        self.num_preemptions = 0
+        self.decoder = None  # the tokenizer's incremental decoder, set by the engine
+
+    @property
+    def id(self) -> str:
+        return f"{self.request.request_id}#{self.index}"
+
+    @property
+    def output(self) -> CompletionOutput:
+        return self.request.outputs[self.index]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by what this branch generated: what its KV must cover."""
+        return self.request.prompt_token_ids + self.output.token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None

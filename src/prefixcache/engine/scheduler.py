@@ -1,0 +1,150 @@
+"""Continuous batching over the cache manager: token budget, admission, preemption.
+
+Each step runs the running branches first (one decode token each, or the next chunk
+of a prefill), then admits waiting branches while the token budget, the cap on running
+sequences and the pool allow. Tokens are committed to the cache *as they are
+scheduled*: the model writes every layer's K/V for the whole batch before attention
+reads it (DESIGN.md rule 9), so a request admitted later in the same step can already
+reuse a prefix that an earlier one is computing in this very step. Sixty-four requests
+with one system prompt, sent at once, prefill it once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from prefixcache.cache import KVCacheManager
+from prefixcache.engine.request import Branch
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """``num_tokens`` new tokens of ``branch``, starting at position ``start``."""
+
+    branch: Branch
+    start: int
+    num_tokens: int
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether this chunk reaches the branch's last token (so it samples one)."""
+        assert self.branch.seq is not None
+        return self.start + self.num_tokens == self.branch.seq.num_tokens
+
+
+class Scheduler:
+    """Decides which branches run in the next step, and how many tokens each."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        cache_aware: bool = False,
+        max_passed_over: int = 8,
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache_aware = cache_aware
+        self.max_passed_over = max_passed_over
+        self.waiting: deque[Branch] = deque()
+        self.running: list[Branch] = []
+        self._arrivals = 0
+
+    def add(self, branch: Branch) -> None:
+        """Queue a new branch for admission."""
+        self._arrivals += 1
+        branch.arrival = self._arrivals
+        self.waiting.append(branch)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The next step's batch; commits its tokens to the cache before it runs."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for branch in self.running:
+            if budget == 0:
+                break
+            chunk = self._next_chunk(branch, budget)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        admitted = []
+        for branch in self._admission_order():
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self._admit(branch):
+                break  # the pool is full: wait for blocks to free up
+            admitted.append(branch)
+            chunk = self._next_chunk(branch, budget)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        self._count_passed_over(admitted)
+        return chunks
+
+    def _next_chunk(self, branch: Branch, budget: int) -> ScheduledChunk:
+        """The branch's uncomputed tokens, up to ``budget``, committed right away."""
+        seq = branch.seq
+        assert seq is not None
+        start = seq.num_computed_tokens
+        count = min(seq.num_tokens - start, budget)
+        self.manager.commit(seq, start + count)
+        return ScheduledChunk(branch, start, count)
+
+    def _admit(self, branch: Branch) -> bool:
+        """Give a waiting branch its blocks (reusing its cached prefix) and run it."""
+        request = branch.request
+        seq = self.manager.admit(branch.id, branch.token_ids, cache_salt=request.cache_salt)
+        if seq is None:
+            return False
+        branch.seq = seq
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = seq.num_cached_tokens
+        self.waiting.remove(branch)
+        self.running.append(branch)
+        return True
+
+    def _admission_order(self) -> list[Branch]:
+        """FCFS; or longest cached prefix first, except that a branch passed over
+        ``max_passed_over`` times goes ahead of everything (no starvation)."""
+        if not self.cache_aware or len(self.waiting) < 2:
+            return list(self.waiting)
+        starving = [b for b in self.waiting if b.passed_over >= self.max_passed_over]
+        rest = [b for b in self.waiting if b.passed_over < self.max_passed_over]
+        rest.sort(key=self._cached_tokens, reverse=True)  # stable: FCFS among equals
+        return starving + rest
+
+    def _count_passed_over(self, admitted: list[Branch]) -> None:
+        """Every waiting branch that arrived before an admitted one was passed over."""
+        if admitted:
+            latest = max(branch.arrival for branch in admitted)
+            for branch in self.waiting:
+                if branch.arrival < latest:
+                    branch.passed_over += 1
+
+    def _cached_tokens(self, branch: Branch) -> int:
+        return self.manager.match(branch.token_ids, cache_salt=branch.request.cache_salt)
+
+    def preempt_last(self) -> Branch:
+        """Free the most recently admitted running branch; it will be recomputed."""
+        victim = self.running.pop()
+        self._release(victim)
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def finish(self, branch: Branch) -> None:
+        """Drop a branch that has finished or been aborted, freeing its blocks."""
+        if branch in self.running:
+            self.running.remove(branch)
+        elif branch in self.waiting:
+            self.waiting.remove(branch)
+        self._release(branch)
+
+    def _release(self, branch: Branch) -> None:
+        if branch.seq is not None:
+            self.manager.free(branch.seq)
+            branch.seq = None
