@@ -20,6 +20,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allocator.py
+	$(BIN)/python benchmarks/engine.py
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab

@@ -1,0 +1,122 @@
+"""AsyncLLMEngine: the engine loop on its own thread, requests as async iterators."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+
+from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.request import RequestOutput
+from prefixcache.engine.sampling import SamplingParams
+
+
+class AsyncLLMEngine:
+    """Steps the engine on a background thread; the event loop never waits on a step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the engine thread, delivering to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after the current step."""
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Snapshots of the request as it advances; the last one has ``finished``.
+
+        Raises the engine's ValueError at once for a request it can never serve.
+        Closing the iterator early (a client that went away) aborts the request.
+        """
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        try:
+            await self._call("add", request_id, prompt_token_ids, params, cache_salt)
+            while True:
+                output = await stream.get()
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            del self._streams[request_id]
+            if request_id in self.engine.requests:
+                await self._call("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks."""
+        await self._call("abort", request_id)
+
+    async def _call(self, *command: object) -> object:
+        future: Future = Future()
+        self._commands.put((future, *command))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a broken step must not leave requests hanging
+                self._fail_all(error)
+                continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                future, action, request_id, *args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if action == "add":
+                    self.engine.add_request(request_id, *args)
+                    result = None
+                else:
+                    result = self.engine.abort_request(request_id)
+                    if result is not None:
+                        self._deliver(result)
+                future.set_result(result)
+            except Exception as error:
+                future.set_exception(error)
+
+    def _deliver(self, item: RequestOutput | BaseException, request_id: str = "") -> None:
+        stream = self._streams.get(request_id or item.request_id)  # type: ignore[union-attr]
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Tell every open stream that the step failed (the engine already aborted them)."""
+        self.error = error
+        for request_id in list(self._streams):
+            self._deliver(RuntimeError(f"engine step failed: {error}"), request_id)

@@ -1,0 +1,207 @@
+"""A Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) whose attention uses paged KV blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.engine.attention import AttentionMetadata, paged_attention
+from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.kv_store import KVStore
+
+# Checkpoint tensors that carry no weights (old HF exports saved the RoPE frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised, frozen weight."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: normalise in fp32, scale in the model dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+class Rotary:
+    """RoPE cos/sin tables per position (half-rotation convention), grown on demand."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+        self._build(max(max_positions, 1))
+
+    def _build(self, num_positions: int) -> None:
+        freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * self.inv_freq
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin for each position, shaped `[T, 1, head_dim // 2]` to broadcast over heads."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            self._build(1 << (needed - 1).bit_length())
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `[T, heads, head_dim]` by position; equals HF's `x * cos + rotate_half(x) * sin`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and SwiGLU MLP, with q/k/v and gate/up fused into one matmul each."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim**-0.5
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv_proj = _param(qkv_rows, c.hidden_size, dtype=dtype)
+        self.o_proj = _param(c.hidden_size, c.num_heads * c.head_dim, dtype=dtype)
+        self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
+        self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
+        self.input_layernorm = _param(c.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _param(c.hidden_size, dtype=dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+        layer: int,
+    ) -> torch.Tensor:
+        """Update the residual stream `h` `[T, hidden]` in place and return it."""
+        x = rms_norm(h, self.input_layernorm, self.eps)
+        h += F.linear(self._attention(x, rope, metadata, kv_store, layer), self.o_proj)
+        x = rms_norm(h, self.post_attention_layernorm, self.eps)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        h += F.linear(F.silu(gate).mul_(up), self.down_proj)
+        return h
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+        layer: int,
+    ) -> torch.Tensor:
+        """Project, rotate, store the whole batch's K/V, then attend: `[T, heads * head_dim]`."""
+        num_tokens, qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = F.linear(x, self.qkv_proj)
+        qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
+        kv_store.write(layer, k, v, metadata.slot_mapping)
+        out = paged_attention(q, kv_store.layers[layer], metadata, self.scale, k, v)
+        return out.reshape(num_tokens, -1)
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack; `forward` returns final-normed hidden states, `compute_logits` the rest."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = _param(config.hidden_size, dtype=dtype)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm."""
+        rope = self.rotary(positions, self.dtype)
+        h = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, metadata, kv_store, i)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[N, vocab]` for the rows of `hidden` that need them."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face Llama-named tensors in; ValueError lists every mismatch first."""
+        targets = self._weight_targets()
+        problems = _check_names(targets, state_dict, self.lm_head is None)
+        if problems:
+            raise ValueError("cannot load weights: " + "; ".join(problems))
+        with torch.no_grad():
+            for name, target in targets.items():
+                target.copy_(torch.as_tensor(state_dict[name]))
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the (view of the) parameter it fills."""
+        targets = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            targets.update(_layer_targets(f"model.layers.{i}.", layer))
+        return targets
+
+
+def _layer_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    """One layer's HF names, with q/k/v and gate/up mapped onto slices of the fused weights."""
+    q_rows = layer.num_heads * layer.head_dim
+    kv_rows = layer.num_kv_heads * layer.head_dim
+    q, k, v = layer.qkv_proj.split([q_rows, kv_rows, kv_rows])
+    gate, up = layer.gate_up_proj.chunk(2)
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    return {
+        attn + "q_proj.weight": q,
+        attn + "k_proj.weight": k,
+        attn + "v_proj.weight": v,
+        attn + "o_proj.weight": layer.o_proj,
+        mlp + "gate_proj.weight": gate,
+        mlp + "up_proj.weight": up,
+        mlp + "down_proj.weight": layer.down_proj,
+        prefix + "input_layernorm.weight": layer.input_layernorm,
+        prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm,
+    }
+
+
+def _check_names(
+    targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], tied: bool
+) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors, one message per kind."""
+    allowed = set(targets) | ({"lm_head.weight"} if tied else set())
+    missing = sorted(set(targets) - set(state_dict))
+    unexpected = sorted(
+        n for n in state_dict if n not in allowed and not n.endswith(_IGNORED_SUFFIXES)
+    )
+    misshaped = [
+        f"{n} {tuple(state_dict[n].shape)} != {tuple(t.shape)}"
+        for n, t in targets.items()
+        if n in state_dict and tuple(state_dict[n].shape) != tuple(t.shape)
+    ]
+    problems = []
+    for kind, names in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+    ):
+        if names:
+            problems.append(f"{kind}: {', '.join(names)}")
+    return problems

@@ -1,0 +1,337 @@
+"""Text <-> token ids, the chat template and streaming detokenization for Llama-family models.
+
+Built with the `tokenizers` library from a GGUF file's metadata (llama.cpp's `gpt2` byte-level BPE)
+or from a Hugging Face `tokenizer.json`; chat templates render in a Jinja2 sandbox the way
+transformers renders them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+# llama.cpp's token types (`tokenizer.ggml.token_type`).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Texts of special tokens that end a turn in common chat formats; llama.cpp stops on these too.
+_END_OF_GENERATION = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` values whose vocabularies were trained with every digit on its own
+# (llama.cpp splits `\p{N}` first, then the GPT-2 regex; SmolLM's tokenizer.json says the same).
+_DIGIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"})
+_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"})
+_GPT2_PRE = frozenset({"default", "gpt2", "gpt-2", "mpt", "olmo"})
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the model's special tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = _end_of_generation_ids(backend, eos_token_ids)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # bos_token etc., for the template
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (`tokenizer.ggml.*` keys, values as python objects)."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+        if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
+            raise ValueError("no tokenizer.ggml.tokens list in the metadata")
+        backend = _gguf_backend(meta)
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in _GGUF_SPECIALS.items()}
+        names = {n: tokens[i] for n, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+        eot = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return cls(
+            backend,
+            bos_token_id=ids["bos_token"],
+            eos_token_ids=[i for i in eot if i is not None],
+            chat_template=meta.get("tokenizer.chat_template"),
+            special_tokens=names,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        """Build from `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`)."""
+        backend = Backend.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
+        names = {k: _token_text(config.get(k)) for k in _GGUF_SPECIALS}
+        names = {k: v for k, v in names.items() if v is not None}
+        eos = [backend.token_to_id(names["eos_token"])] if "eos_token" in names else []
+        bos = backend.token_to_id(names["bos_token"]) if "bos_token" in names else None
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=[i for i in [*eos, *extra_eos_ids] if i is not None],
+            chat_template=_hf_chat_template(folder, config),
+            special_tokens=names,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: the model's EOS first, then end-of-turn tokens."""
+        return self._eos_token_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token markup in the text becomes its special id."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat template writes it (as transformers renders it)."""
+        _check_messages(messages)
+        if self._template is None:
+            if not self.chat_template:
+                raise ValueError("this tokenizer has no chat template")
+            self._template = _compile_template(self.chat_template)
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation (the template writes any BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Streams text token by token; never returns half a UTF-8 character.
+
+    Each push decodes a short window of recent ids (so context-dependent decoders, like a
+    sentencepiece leading space, see their neighbour) and returns what the new id added once
+    the window no longer ends in an incomplete character. The pieces concatenate to `decode()`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are already emitted text
+        self._read = 0  # ids before this are emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        done = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        done = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return text[len(done) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+_GGUF_SPECIALS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def _gguf_backend(meta: Mapping[str, Any]) -> Backend:
+    """Byte-level BPE from the GGUF vocabulary, merges and token types."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or ()
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token stored as raw text, not in the byte alphabet, is respelled (as transformers does).
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    pairs = list(zip(tokens, types, strict=False))
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in pairs if k == _CONTROL]
+    )
+    user = [AddedToken(t, normalized=False, special=False) for t, k in pairs if k == _USER_DEFINED]
+    backend.add_tokens(user)
+    _set_gguf_post_processor(backend, meta)
+    return backend
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_PRE:
+        return byte_level
+    if pre in _DIGIT_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _LLAMA3_PRE:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        raw = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, raw])
+    raise ValueError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported")
+
+
+def _set_gguf_post_processor(backend: Backend, meta: Mapping[str, Any]) -> None:
+    """BOS/EOS added by `encode(add_special_tokens=True)` when the file asks for them."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    before = [tokens[bos]] if meta.get("tokenizer.ggml.add_bos_token") and bos is not None else []
+    after = [tokens[eos]] if meta.get("tokenizer.ggml.add_eos_token") and eos is not None else []
+    if not before and not after:
+        return
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(before + after)]
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join([*before, "$A", *after]),
+        pair=" ".join([*before, "$A", *after, *before, "$B:1", *after]),
+        special_tokens=specials,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used to spell byte-level tokens."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _end_of_generation_ids(backend: Backend, eos_ids: Iterable[int]) -> tuple[int, ...]:
+    """The given EOS ids, then any special end-of-turn token the vocabulary has."""
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    turn_ends = [backend.token_to_id(text) for text in _END_OF_GENERATION]
+    found = [i for i in turn_ends if i is not None and i in special]
+    return tuple(dict.fromkeys([*eos_ids, *found]))
+
+
+def _token_text(value: object) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    """The template from `chat_template.jinja`, else from tokenizer_config.json."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text("utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _check_messages(messages: object) -> None:
+    """Raise ValueError unless `messages` is a non-empty list of {role, content} string dicts."""
+    if not isinstance(messages, list | tuple):
+        raise ValueError(f"messages must be a list of dicts, not {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, not {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"messages[{i}] has no {key!r}")
+            if not isinstance(message[key], str):
+                kind = type(message[key]).__name__
+                raise ValueError(f"messages[{i}][{key!r}] must be a str, not {kind}")
+        if not message["role"]:
+            raise ValueError(f"messages[{i}]['role'] is empty")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox with transformers' helpers."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """JSON without Jinja's HTML escaping, as transformers' templates expect."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )

@@ -1,0 +1,90 @@
+"""Shared builders for engine tests: a tiny random Llama with the real tokenizer."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.engine import EngineConfig, LLMEngine
+from prefixcache.engine.weights import LoadedModel, load_model
+
+
+@cache
+def default_model() -> LoadedModel:
+    """The real default model, loaded once per test session."""
+    return load_model()
+
+
+def tiny_config(vocab_size: int, eos: tuple[int, ...]) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_ids=eos,
+        name="tiny-random",
+    )
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face Llama names, scaled to keep activations sane."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) / shape[-1] ** 0.5
+
+    hidden, heads, kv = config.hidden_size, config.num_heads, config.num_kv_heads
+    state = {"model.embed_tokens.weight": weight(config.vocab_size, hidden) * 4}
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        state[prefix + "self_attn.q_proj.weight"] = weight(heads * config.head_dim, hidden)
+        state[prefix + "self_attn.k_proj.weight"] = weight(kv * config.head_dim, hidden)
+        state[prefix + "self_attn.v_proj.weight"] = weight(kv * config.head_dim, hidden)
+        state[prefix + "self_attn.o_proj.weight"] = weight(hidden, heads * config.head_dim)
+        state[prefix + "mlp.gate_proj.weight"] = weight(config.intermediate_size, hidden)
+        state[prefix + "mlp.up_proj.weight"] = weight(config.intermediate_size, hidden)
+        state[prefix + "mlp.down_proj.weight"] = weight(hidden, config.intermediate_size)
+        state[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+        state[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    state["model.norm.weight"] = torch.ones(hidden)
+    return state
+
+
+def tiny_model() -> LoadedModel:
+    """A 2-layer random model that speaks the default model's tokenizer."""
+    tokenizer = default_model().tokenizer
+    config = tiny_config(tokenizer.vocab_size, tokenizer.eos_token_ids)
+    return LoadedModel(config, random_state_dict(config), tokenizer, Path("tiny-random"))
+
+
+def tiny_engine(**options: object) -> LLMEngine:
+    """An engine on the tiny model in float64, so batching can't flip a greedy choice."""
+    settings = {"block_size": 4, "num_kv_blocks": 64, "dtype": torch.float64, **options}
+    return LLMEngine(tiny_model(), EngineConfig(**settings))
+
+
+def run_to_completion(engine: LLMEngine) -> dict:
+    """Step until every request finishes; the final output of each, by request id."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def assert_pool_clean(engine: LLMEngine) -> None:
+    """No request left, every block free, and the cache's invariants hold."""
+    assert not engine.requests
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    engine.cache.check_invariants()

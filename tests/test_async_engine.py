@@ -1,0 +1,59 @@
+"""The asyncio engine: concurrent streams, early close aborts, bad requests raise."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_fixtures import assert_pool_clean, tiny_engine
+from prefixcache.engine.async_engine import AsyncLLMEngine
+from prefixcache.engine.sampling import SamplingParams
+
+
+async def collect(engine: AsyncLLMEngine, request_id: str, prompt: list[int], tokens: int):
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [output async for output in engine.generate(request_id, prompt, params)]
+
+
+def test_concurrent_streams_grow_and_finish():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine())
+        engine.start()
+        try:
+            streams = await asyncio.gather(
+                *(collect(engine, f"r{i}", [40 + i, 41, 42], 6) for i in range(5))
+            )
+        finally:
+            engine.shutdown()
+        return engine, streams
+
+    engine, streams = asyncio.run(main())
+    for stream in streams:
+        lengths = [len(output.token_ids) for output in stream]
+        assert lengths == sorted(lengths) and lengths[-1] == 6 and stream[-1].finished
+    assert_pool_clean(engine.engine)
+
+
+def test_closing_a_stream_early_aborts_the_request():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine())
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            stream = engine.generate("long", list(range(30, 60)), params)
+            async for output in stream:
+                if len(output.token_ids) >= 2:
+                    break
+            await stream.aclose()
+            await asyncio.sleep(0.05)
+            with pytest.raises(ValueError, match="prompt is empty"):
+                await collect(engine, "bad", [], 3)
+            rest = await collect(engine, "after", [5, 6, 7], 3)
+        finally:
+            engine.shutdown()
+        return engine, rest
+
+    engine, rest = asyncio.run(main())
+    assert rest[-1].finished and len(rest[-1].token_ids) == 3
+    assert_pool_clean(engine.engine)
