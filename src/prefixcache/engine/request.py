@@ -29,6 +29,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prefill_tokens: int = 0  # prompt tokens the model computed (not reused)
+    lookup_seconds: float = 0.0  # time spent in the cache's admission lookups
 
     @property
     def ttft(self) -> float | None:

@@ -11,6 +11,7 @@ with one system prompt, sent at once, prefill it once.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -97,7 +98,9 @@ class Scheduler:
     def _admit(self, branch: Branch) -> bool:
         """Give a waiting branch its blocks (reusing its cached prefix) and run it."""
         request = branch.request
+        start = time.perf_counter()
         seq = self.manager.admit(branch.id, branch.token_ids, cache_salt=request.cache_salt)
+        request.metrics.lookup_seconds += time.perf_counter() - start
         if seq is None:
             return False
         branch.seq = seq

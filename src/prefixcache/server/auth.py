@@ -1,0 +1,89 @@
+"""Tenants and API keys; the cache salt that isolates a tenant is derived here.
+
+A tenant's salt is an HMAC of its name under a server secret, so no client can name or
+guess another tenant's salt. A client's own ``cache_salt`` only narrows sharing inside
+its tenant: it is folded into the HMAC with the tenant's name, never used alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+LOCAL_TENANT = "local"
+
+
+class AuthError(Exception):
+    """A missing or unknown API key (HTTP 401)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who a request belongs to, and what it may do."""
+
+    name: str
+    admin: bool = False
+    no_reuse: bool = False  # never reuse any prefix, not even its own
+    min_shared_tokens: int = 0  # a hit counts only if at least this many tokens are shared
+
+
+class Tenants:
+    """API key -> tenant, and the salts that keep tenants' cached blocks apart."""
+
+    def __init__(self, tenants: dict[str, Tenant] | None, secret: bytes | None = None) -> None:
+        self._by_key_digest = tenants  # None: a single local tenant, no keys
+        self._secret = secret or os.urandom(32)
+
+    @property
+    def local(self) -> bool:
+        return self._by_key_digest is None
+
+    @classmethod
+    def from_file(cls, path: str | Path, secret: bytes | None = None) -> Tenants:
+        """Load ``{"tenants": [{"name", "keys": [...], "admin", "no_reuse", ...}]}``."""
+        try:
+            entries = json.loads(Path(path).read_text())["tenants"]
+            tenants = {}
+            for entry in entries:
+                tenant = Tenant(
+                    name=str(entry["name"]),
+                    admin=bool(entry.get("admin", False)),
+                    no_reuse=bool(entry.get("no_reuse", False)),
+                    min_shared_tokens=int(entry.get("min_shared_tokens", 0)),
+                )
+                for key in entry["keys"]:
+                    tenants[_digest(key)] = tenant
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            message = f"API key file {path}: {error!r}; expected {cls.from_file.__doc__}"
+            raise ValueError(message) from None
+        return cls(tenants, secret)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of a ``Bearer`` key; AuthError when it is missing or unknown."""
+        if self._by_key_digest is None:
+            return Tenant(LOCAL_TENANT, admin=True)
+        if not authorization or not authorization.startswith("Bearer "):
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        tenant = self._by_key_digest.get(_digest(authorization.removeprefix("Bearer ")))
+        if tenant is None:
+            raise AuthError("invalid API key")
+        return tenant
+
+    def cache_salt(self, tenant: Tenant, client_salt: str | None) -> str:
+        """The salt for a request: per tenant (and client salt); unique if no reuse."""
+        if tenant.no_reuse:
+            parts = [tenant.name, "no-reuse", uuid.uuid4().hex]
+        else:
+            parts = [tenant.name, client_salt or ""]
+        message = json.dumps(parts).encode()  # unambiguous: ("a", "bc") != ("ab", "c")
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+
+def _digest(key: str) -> str:
+    """Keys are compared by digest, so lookup time says nothing about key prefixes."""
+    return hashlib.sha256(key.encode()).hexdigest()

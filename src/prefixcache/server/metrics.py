@@ -1,0 +1,143 @@
+"""Prometheus metrics: what the prefix cache is doing, by tenant. Never any prompt text."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.request import RequestOutput
+
+TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LOOKUP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+
+
+class CacheCollector:
+    """Reads the cache's own counters at scrape time (no double bookkeeping)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats, cache = self.engine.cache.stats, self.engine.cache
+        counters = [
+            (
+                "prefix_cache_queries_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                stats.queries,
+            ),
+            ("prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache", stats.hits),
+            ("kv_evictions", "Cached blocks whose slot was reused", stats.evictions),
+            (
+                "kv_duplicate_blocks",
+                "Committed blocks whose content was already cached",
+                stats.duplicate_blocks,
+            ),
+            ("kv_copy_on_write", "Shared partial blocks copied before an append", stats.cow_copies),
+        ]
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
+        gauges = [
+            ("kv_usage_ratio", "Share of KV blocks held by live requests", cache.usage),
+            ("kv_free_blocks", "KV blocks with refcount 0", cache.num_free_blocks),
+            ("kv_free_blocks_low_watermark", "Fewest free KV blocks seen", stats.min_free_blocks),
+            ("kv_blocks", "KV blocks in the pool", cache.num_blocks),
+            ("requests_running", "Branches running", len(self.engine.scheduler.running)),
+            ("requests_waiting", "Branches waiting", len(self.engine.scheduler.waiting)),
+        ]
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
+
+
+class ServerMetrics:
+    """Per-request observations plus the cache collector, on a private registry."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        self.registry.register(CacheCollector(engine))
+        self._recent_first_blocks: OrderedDict[str, deque] = OrderedDict()
+        metric = {"registry": self.registry, "namespace": "prefixcache"}
+        self.requests = Counter(
+            "requests", "Finished HTTP requests", ["tenant", "endpoint", "status"], **metric
+        )
+        self.ttft = Histogram(
+            "ttft_seconds",
+            "Time to first token",
+            ["tenant", "cache"],
+            buckets=SECONDS_BUCKETS,
+            **metric,
+        )
+        self.reusable = Histogram(
+            "reusable_tokens_per_request", "Prompt tokens reused", buckets=TOKEN_BUCKETS, **metric
+        )
+        self.first_miss = Histogram(
+            "first_miss_position_tokens",
+            "Position of the first prompt token not served from cache",
+            buckets=TOKEN_BUCKETS,
+            **metric,
+        )
+        self.prefill_tokens = Counter("prefill_tokens_computed", "Prompt tokens computed", **metric)
+        self.saved_tokens = Counter(
+            "prefill_tokens_saved", "Prompt tokens not recomputed", **metric
+        )
+        self.saved_seconds = Counter(
+            "prefill_seconds_saved",
+            "Estimated prefill time saved (saved tokens x measured seconds per token)",
+            **metric,
+        )
+        self.lookup = Histogram(
+            "cache_lookup_seconds",
+            "Admission lookup time per request",
+            buckets=LOOKUP_BUCKETS,
+            **metric,
+        )
+        self.short_prefix = Counter(
+            "shared_prefix_below_one_block",
+            "Requests with no hit whose prompt shares 1..block_size-1 leading tokens with a "
+            "recent request of the same salt: the prefix is shorter than one block",
+            **metric,
+        )
+
+    def observe(self, tenant: str, output: RequestOutput, salt: str) -> None:
+        """Record one finished request (token counts and timings only)."""
+        cached = output.num_cached_tokens
+        metrics = output.metrics
+        if metrics.ttft is not None:
+            self.ttft.labels(tenant, "hit" if cached else "miss").observe(metrics.ttft)
+        self.reusable.observe(cached)
+        self.first_miss.observe(cached)
+        self.prefill_tokens.inc(metrics.num_prefill_tokens)
+        self.saved_tokens.inc(cached)
+        if self.engine.seconds_per_token is not None:
+            self.saved_seconds.inc(cached * self.engine.seconds_per_token)
+        self.lookup.observe(metrics.lookup_seconds)
+        self._check_short_prefix(output.prompt_token_ids, cached, salt)
+
+    def _check_short_prefix(self, prompt: list[int], cached: int, salt: str) -> None:
+        """Count a miss that shares a sub-block prefix with recent traffic of its salt."""
+        block_size = self.engine.config.block_size
+        head = tuple(prompt[:block_size])
+        recent = self._recent_first_blocks.setdefault(salt, deque(maxlen=64))
+        self._recent_first_blocks.move_to_end(salt)
+        if len(self._recent_first_blocks) > 256:
+            self._recent_first_blocks.popitem(last=False)
+        if cached == 0 and any(0 < _common(head, other) < block_size for other in recent):
+            self.short_prefix.inc()
+        recent.append(head)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _common(left: tuple[int, ...], right: tuple[int, ...]) -> int:
+    """Length of the common prefix of two token tuples."""
+    count = 0
+    for a, b in zip(left, right, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count

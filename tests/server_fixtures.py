@@ -1,0 +1,68 @@
+"""A real uvicorn server on loopback, in a thread, for the server tests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from prefixcache.engine.engine import LLMEngine
+from prefixcache.server.app import Server, create_app
+from prefixcache.server.auth import Tenants
+
+KEYS = {
+    "alpha": {"keys": ["sk-alpha"], "admin": True},
+    "beta": {"keys": ["sk-beta"]},
+    "private": {"keys": ["sk-private"], "no_reuse": True},
+}
+
+
+def write_key_file(folder: Path) -> Path:
+    path = folder / "keys.json"
+    path.write_text(json.dumps({"tenants": [{"name": n, **v} for n, v in KEYS.items()]}))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(
+    engine: LLMEngine, tenants: Tenants, model_name: str = "tiny", max_pending: int = 256
+) -> Iterator[tuple[str, Server]]:
+    """Serve ``engine`` on a free loopback port; yield (base URL, server state)."""
+    app = create_app(engine, tenants, model_name, max_pending=max_pending)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", app.state.server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def wait_idle(state: Server, timeout: float = 30) -> None:
+    """Until the engine holds no request (aborts of gone clients land asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while state.core.requests or state.engine.num_pending:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine still busy: {list(state.core.requests)}")
+        time.sleep(0.05)
