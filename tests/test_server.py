@@ -14,7 +14,7 @@ from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.server.auth import Tenants
 from server_fixtures import running_server, wait_idle, write_key_file
 
-SYSTEM = "You are the assistant of a very careful railway company. " * 6
+SYSTEM = "Zebra railway assistant: answer carefully and briefly. " * 6
 
 
 @pytest.fixture(scope="module")
