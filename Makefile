@@ -23,6 +23,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allocator.py
+	$(BIN)/python benchmarks/sim.py
 	$(BIN)/python benchmarks/engine.py
 
 lab: $(STAMP)

@@ -40,11 +40,19 @@ class CacheMachine(RuleBasedStateMachine):
     block_size = 4
     num_blocks = 8
     hash_algo = "sha256"
+    eviction_policy = "lru"
+    index = "hash"
     sequences = Bundle("sequences")
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(self.num_blocks, self.block_size, hash_algo=self.hash_algo)
+        self.manager = KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            hash_algo=self.hash_algo,
+            eviction_policy=self.eviction_policy,
+            index=self.index,
+        )
         self.shadow: dict[tuple[int, int], int] = {}
         self.next_id = 0
 
@@ -148,10 +156,62 @@ class FastHashMachine(CacheMachine):
     hash_algo = "xxh3_128"
 
 
+class ARCMachine(SmallBlockMachine):
+    """The same rules hold when ARC picks the victims (small blocks: many evictions)."""
+
+    eviction_policy = "arc"
+
+
+class SLRUMachine(SmallBlockMachine):
+    """The same rules hold under segmented LRU."""
+
+    eviction_policy = "slru"
+
+
+class LFUDAMachine(SmallBlockMachine):
+    """The same rules hold under LFU with dynamic aging."""
+
+    eviction_policy = "lfuda"
+
+
+class RadixMachine(CacheMachine):
+    """The same rules hold with the radix-tree index."""
+
+    index = "radix"
+
+
+class RadixSmallBlockMachine(SmallBlockMachine):
+    """Radix index under heavy eviction: runs are split, cut and detached all the time."""
+
+    index = "radix"
+
+
+class RadixARCMachine(SmallBlockMachine):
+    """Radix index with a non-LRU policy: victims in the middle of runs."""
+
+    index = "radix"
+    eviction_policy = "arc"
+
+
 TestCacheMachine = CacheMachine.TestCase
 TestSmallBlockMachine = SmallBlockMachine.TestCase
 TestFastHashMachine = FastHashMachine.TestCase
+TestARCMachine = ARCMachine.TestCase
+TestSLRUMachine = SLRUMachine.TestCase
+TestLFUDAMachine = LFUDAMachine.TestCase
+TestRadixMachine = RadixMachine.TestCase
+TestRadixSmallBlockMachine = RadixSmallBlockMachine.TestCase
+TestRadixARCMachine = RadixARCMachine.TestCase
 STATEFUL_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestCacheMachine.settings = STATEFUL_SETTINGS
-TestSmallBlockMachine.settings = STATEFUL_SETTINGS
-TestFastHashMachine.settings = STATEFUL_SETTINGS
+for machine_test in (
+    TestCacheMachine,
+    TestSmallBlockMachine,
+    TestFastHashMachine,
+    TestARCMachine,
+    TestSLRUMachine,
+    TestLFUDAMachine,
+    TestRadixMachine,
+    TestRadixSmallBlockMachine,
+    TestRadixARCMachine,
+):
+    machine_test.settings = STATEFUL_SETTINGS

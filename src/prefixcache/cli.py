@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from prefixcache.server.cli import add_serve_parser, run_serve
+from prefixcache.sim.cli import add_simulate_parser, run_simulate
 
 
 def positive_int(text: str) -> int:
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="give both tenants no salt (the article's unsafe Variation 2)",
     )
     add_serve_parser(commands)
+    add_simulate_parser(commands)
     return parser
 
 
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lab.run(block_size=args.block_size, use_salt=not args.no_salt)))
     elif args.command == "serve":
         return run_serve(args)
+    elif args.command == "simulate":
+        return run_simulate(args)
     return 0
 
 

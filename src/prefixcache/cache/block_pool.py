@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.hashing import ROOT_UID
+from prefixcache.cache.index import HashIndex, PrefixIndex
 from prefixcache.cache.stats import CacheStats
+
+if TYPE_CHECKING:
+    from prefixcache.cache.policy import EvictionPolicy
 
 
 class Block:
@@ -91,10 +96,12 @@ class BlockPool:
     popped for reuse; only then is its mapping removed and its identity cleared.
     """
 
-    def __init__(self, num_blocks: int, stats: CacheStats) -> None:
+    def __init__(
+        self, num_blocks: int, stats: CacheStats, index: PrefixIndex | None = None
+    ) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[tuple, Block] = {}
+        self.cached: PrefixIndex = HashIndex() if index is None else index
         self.stats = stats
         self._next_uid = ROOT_UID + 1
 
@@ -172,6 +179,7 @@ class BlockPool:
         if existing is None:
             uid = self._next_uid
             self._next_uid += 1
+            block.uid = uid  # before indexing: a radix index files blocks by uid
             self.cached[key] = block
             block.key = key
             self.stats.stored_blocks += 1
@@ -191,3 +199,66 @@ class BlockPool:
             block.digest = None
         self.cached.clear()
         return dropped
+
+
+class PolicyBlockPool(BlockPool):
+    """A pool whose free cached blocks are ordered by an ``EvictionPolicy`` (not LRU).
+
+    The inherited free queue keeps only blocks holding nothing reusable, reused first as in
+    the LRU pool; cached free blocks live in the policy, which picks each victim.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        stats: CacheStats,
+        policy: EvictionPolicy,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        super().__init__(num_blocks, stats, index)
+        self.policy = policy
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.size + len(self.policy)
+
+    def allocate(self, count: int) -> list[Block]:
+        """Take ``count`` blocks: empty ones first, then the policy's victims."""
+        assert count <= self.num_free_blocks, "allocate beyond the free blocks"
+        taken = []
+        for _ in range(count):
+            queue = self.free_queue
+            block = queue.popleft() if queue.size else self.policy.pop_victim()
+            if block.uid:
+                self._forget(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        free = self.num_free_blocks
+        if free < self.stats.min_free_blocks:
+            self.stats.min_free_blocks = free
+        return taken
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on each hit; the policy hears of them first (frees its free ones)."""
+        self.policy.touch(blocks)
+        for block in blocks:
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop a reference each; at 0, cached blocks go to the policy (in order), others first."""
+        cached = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    cached.append(block)
+        if cached:
+            self.policy.insert(cached)
+
+    def drop_all_cached(self) -> int:
+        """Forget every mapping and hand the policy's blocks back to the free queue."""
+        for block in self.policy.clear():
+            self.free_queue.append(block)
+        return super().drop_all_cached()

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prefixcache.cache.block_pool import FreeBlockQueue
     from prefixcache.cache.manager import KVCacheManager
     from prefixcache.cache.sequence import Sequence
 
@@ -26,20 +27,41 @@ def check(manager: KVCacheManager) -> None:
 
 
 def _check_free_queue(manager: KVCacheManager) -> set[int]:
-    """The queue's links are consistent and it holds only refcount-0 blocks, once each."""
-    queue = manager.pool.free_queue
+    """The free blocks (queue, and the eviction policy if any) are consistent, once each."""
+    pool = manager.pool
+    free_ids = check_queue(pool.free_queue, "free queue")
+    policy = getattr(pool, "policy", None)
+    if policy is not None:
+        for block_id in free_ids:
+            block = pool.blocks[block_id]
+            require(block.key is None, f"{policy.name}: cached {block} in the empty queue")
+        policy.check()
+        for block in policy:
+            require(block.block_id not in free_ids, f"free: {block} is held twice")
+            require(block.ref_cnt == 0, f"rule 6: {block} is in {policy.name} while in use")
+            require(block.key is not None, f"{policy.name}: {block} holds nothing cached")
+            free_ids.add(block.block_id)
+    require(
+        len(free_ids) == pool.num_free_blocks,
+        f"free: {pool.num_free_blocks} counted, {len(free_ids)} held",
+    )
+    return free_ids
+
+
+def check_queue(queue: FreeBlockQueue, what: str) -> set[int]:
+    """A queue's links are consistent and it holds only refcount-0 blocks, once each."""
     seen: set[int] = set()
     previous = queue.head
     block = queue.head.next_free
     while block is not queue.tail:
-        require(block is not None, "free queue: broken forward link")
-        require(block.prev_free is previous, f"free queue: bad back link at {block}")
-        require(block.block_id not in seen, f"free queue: {block} appears twice")
-        require(block.ref_cnt == 0, f"rule 6: {block} is in the free queue while in use")
+        require(block is not None, f"{what}: broken forward link")
+        require(block.prev_free is previous, f"{what}: bad back link at {block}")
+        require(block.block_id not in seen, f"{what}: {block} appears twice")
+        require(block.ref_cnt == 0, f"rule 6: {block} is in the {what} while in use")
         seen.add(block.block_id)
         previous, block = block, block.next_free
-    require(queue.tail.prev_free is previous, "free queue: tail back link is stale")
-    require(len(seen) == queue.size, f"free queue: size {queue.size} != {len(seen)} linked")
+    require(queue.tail.prev_free is previous, f"{what}: tail back link is stale")
+    require(len(seen) == queue.size, f"{what}: size {queue.size} != {len(seen)} linked")
     return seen
 
 
@@ -67,6 +89,7 @@ def _check_refcounts(manager: KVCacheManager, free_ids: set[int]) -> None:
 def _check_index(manager: KVCacheManager) -> None:
     """Every mapping points at a block holding that key; every keyed block is mapped."""
     cached = manager.pool.cached
+    cached.check()
     for key, block in cached.items():
         require(block.key == key, f"rule 8: stale mapping, key points at {block}")
         require(block.uid != 0 and block.digest is not None, f"rule 8: {block} lost its id")
@@ -93,7 +116,7 @@ def _check_sequence(manager: KVCacheManager, seq: Sequence) -> None:
     require(
         seq.num_cached_tokens <= seq.num_computed_tokens <= seq.num_tokens
         and seq.num_cached_tokens % block_size == 0
-        and seq.num_cached_tokens <= max(0, seq.num_prompt_tokens - 1),
+        and seq.num_cached_tokens <= max(0, seq.num_prompt_tokens - seq.cap_last_token),
         f"rule 10: {seq.request_id!r} cached/computed counts are inconsistent",
     )
     for index in range(seq.num_stored_blocks):

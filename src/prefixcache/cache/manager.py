@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 
 from prefixcache.cache import integrity
-from prefixcache.cache.block_pool import Block, BlockPool
+from prefixcache.cache.block_pool import Block, BlockPool, PolicyBlockPool
 from prefixcache.cache.hashing import (
     ROOT_UID,
     Extras,
@@ -17,7 +17,9 @@ from prefixcache.cache.hashing import (
     get_hash_function,
     namespace_digest,
 )
+from prefixcache.cache.index import PrefixIndex, make_index
 from prefixcache.cache.path_memo import PathMemo
+from prefixcache.cache.policy import make_policy
 from prefixcache.cache.sequence import Sequence
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.validation import (
@@ -50,6 +52,8 @@ class KVCacheManager:
         enable_caching: bool = True,
         namespace: Namespace | None = None,
         hash_algo: str = "sha256",
+        eviction_policy: str = "lru",
+        index: str = "hash",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -67,7 +71,11 @@ class KVCacheManager:
         self._hash_fn = get_hash_function(hash_algo)
         self.root_digest = namespace_digest(self.namespace, self._hash_fn)
         self.stats = CacheStats(min_free_blocks=num_blocks)
-        self.pool = BlockPool(num_blocks, self.stats)
+        self.pool = _make_pool(
+            num_blocks, self.stats, eviction_policy, make_index(index, block_size)
+        )
+        self.eviction_policy, self.index = eviction_policy, index
+        self._walk = self.pool.cached.walk  # rule 4: extend hits through the index
         self.sequences: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._memo = PathMemo()
@@ -89,13 +97,16 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_items: SequenceOf[MultiModalItem] = (),
+        *,
+        cap_last_token: bool = True,
     ) -> int:
         """Tokens ``admit`` would serve from cache right now; changes nothing."""
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         if not self.enable_caching:
             return 0
         hits: list[Block] = []
-        self._walk(token_bytes, (len(token_ids) - 1) // self.block_size, extras, hits, [])
+        max_blocks = (len(token_ids) - cap_last_token) // self.block_size
+        self._walk(token_bytes, max_blocks, extras, hits, [])
         return len(hits) * self.block_size
 
     # -------------------------------------------------------------- lifecycle
@@ -106,10 +117,13 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_items: SequenceOf[MultiModalItem] = (),
+        *,
+        cap_last_token: bool = True,
     ) -> Sequence | None:
         """Allocate a request's blocks, reusing its cached prefix; None if it cannot fit.
 
         Raises CapacityError when the prompt needs more blocks than the whole pool.
+        ``cap_last_token=False`` lifts rule 10 (trace replay: no logits are needed).
         """
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already admitted")
@@ -117,7 +131,7 @@ class KVCacheManager:
         num_tokens = len(token_ids)
         num_needed = cdiv(num_tokens, self.block_size)
         check_fits(num_needed, num_tokens, self.block_size, self.num_blocks)
-        hits = self._lookup(token_bytes, num_tokens, extras)
+        hits = self._lookup(token_bytes, num_tokens - cap_last_token, extras)
         if not self._can_allocate(num_needed - len(hits), hits):
             self.stats.failed_admissions += 1
             return None
@@ -134,6 +148,7 @@ class KVCacheManager:
             self.root_digest,
         )
         seq.cache_salt, seq.lora_name, seq.mm_items = cache_salt, lora_name, tuple(mm_items)
+        seq.cap_last_token = cap_last_token
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_stored_blocks = len(hits)
         self.sequences[request_id] = seq
@@ -250,12 +265,15 @@ class KVCacheManager:
                 extras[index] = found
         return token_bytes, extras
 
-    def _lookup(self, token_bytes: bytes, num_tokens: int, extras: dict) -> list[Block]:
-        """Cached blocks for an admission: the remembered path, then the dict walk."""
+    def _lookup(self, token_bytes: bytes, num_matchable: int, extras: dict) -> list[Block]:
+        """Cached blocks for an admission: the remembered path, then the index walk.
+
+        ``num_matchable`` is the prompt length less rule 10's last token (unless lifted).
+        """
         if not self.enable_caching:
             return []
         step = self.block_size * 4
-        max_blocks = (num_tokens - 1) // self.block_size
+        max_blocks = num_matchable // self.block_size
         memo_key = tuple(extras.items()) if extras else None
         hits, uids = self._memo.recall(memo_key, token_bytes, max_blocks, step)
         recalled = len(hits)
@@ -264,31 +282,6 @@ class KVCacheManager:
         if len(hits) > recalled:  # the walk learned something the memo did not know
             self._memo.remember(memo_key, token_bytes, hits, uids, step)
         return hits
-
-    def _walk(
-        self,
-        token_bytes: bytes,
-        max_blocks: int,
-        extras: dict,
-        hits: list[Block],
-        uids: list[int],
-    ) -> None:
-        """Extend ``hits`` block by block through the index; stop at the first miss.
-
-        Rule 4; ``max_blocks`` carries rule 10's cap. ``uids`` grows alongside.
-        """
-        step = self.block_size * 4
-        get = self.pool.cached.get
-        parent = uids[-1] if uids else ROOT_UID
-        for index in range(len(hits), max_blocks):
-            chunk = token_bytes[index * step : (index + 1) * step]
-            extra = extras.get(index) if extras else None
-            block = get((parent, chunk, extra) if extra else (parent, chunk))
-            if block is None:
-                break
-            parent = block.uid
-            hits.append(block)
-            uids.append(parent)
 
     def _can_allocate(self, num_new: int, hits: list[Block]) -> bool:
         """Whether ``num_new`` blocks fit once the hits leave the free queue."""
@@ -327,3 +320,13 @@ class KVCacheManager:
         self.stats.requests += 1
         self.stats.queries += num_tokens
         self.stats.hits += num_cached
+
+
+def _make_pool(
+    num_blocks: int, stats: CacheStats, policy_name: str, index: PrefixIndex
+) -> BlockPool:
+    """The LRU pool (the free queue itself), or a pool driven by another eviction policy."""
+    policy = make_policy(policy_name, num_blocks)
+    if policy is None:
+        return BlockPool(num_blocks, stats, index)
+    return PolicyBlockPool(num_blocks, stats, policy, index)

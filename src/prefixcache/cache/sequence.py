@@ -28,6 +28,7 @@ class Sequence:
         "extras",
         "num_stored_blocks",
         "num_prompt_tokens",
+        "cap_last_token",
         "_prompt_bytes",
         "_hash_fn",
         "_root_digest",
@@ -57,6 +58,7 @@ class Sequence:
         self.mm_items: tuple[MultiModalItem, ...] = ()
         self.extras = extras  # block index -> typed extra keys, only where non-empty
         self.num_stored_blocks = 0  # leading full blocks that hold an identity
+        self.cap_last_token = True  # rule 10 applied at admission (trace replay may lift it)
         self._prompt_bytes = prompt_bytes
         self._hash_fn = hash_fn
         self._root_digest = root_digest
@@ -85,6 +87,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.num_stored_blocks = self.num_stored_blocks
+        child.cap_last_token = self.cap_last_token
         return child
 
     @property

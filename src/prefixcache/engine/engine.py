@@ -32,6 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     cache_aware_scheduling: bool = False
+    eviction_policy: str = "lru"
+    index: str = "hash"
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -66,6 +68,8 @@ class LLMEngine:
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             namespace=namespace,
+            eviction_policy=config.eviction_policy,
+            index=config.index,
         )
         self.scheduler = Scheduler(
             self.cache,

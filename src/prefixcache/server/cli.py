@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from prefixcache.cache.policy import POLICY_NAMES
+
 POSITIVE = "must be >= 1"
 
 
@@ -43,6 +45,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key-file", help="JSON file of tenants and their API keys")
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--cache-aware-scheduling", action="store_true")
+    serve.add_argument("--eviction-policy", default="lru", choices=POLICY_NAMES)
+    serve.add_argument("--index", default="hash", choices=("hash", "radix"))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -68,6 +72,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 cache_aware_scheduling=args.cache_aware_scheduling,
+                eviction_policy=args.eviction_policy,
+                index=args.index,
             ),
         )
     except ValueError as error:  # bad model file, key file or size: say it, no traceback

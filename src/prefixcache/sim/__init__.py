@@ -1,0 +1,1 @@
+"""The simulator: replay traces through the real cache, compare policies, bound them."""

@@ -1,0 +1,140 @@
+"""``prefixcache simulate``: replay a trace, compare policies and indexes, bound them.
+
+Wire it into the main parser with ``add_simulate_parser(subcommands)`` and dispatch
+``args.command == "simulate"`` to ``run_simulate(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prefixcache.cache.index import INDEX_NAMES
+from prefixcache.cache.policy import POLICY_NAMES
+from prefixcache.sim.replay import Progress
+
+if TYPE_CHECKING:
+    from prefixcache.sim.sweep import SweepReport
+
+DEFAULT_CAPACITIES = [1000, 5000, 20000]
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, with a message naming the limit."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``simulate`` subcommand and its options."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay a trace through the real cache: hit rates per policy, and the optimum",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("trace", help="JSONL trace: Mooncake (hash_ids) or ours (token_ids)")
+    _add_sweep_options(parser)
+    parser.add_argument("--no-optimum", action="store_true", help="skip Belady's bound")
+    parser.add_argument("--out", help="write every result to a .json or .csv file")
+    parser.add_argument("--plot", help="write hit rate vs capacity to a PNG")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
+    """What to replay: capacities, policies, indexes, trace format and block size."""
+    parser.add_argument(
+        "--capacity", type=_positive_int, nargs="+", default=DEFAULT_CAPACITIES,
+        help="pool sizes in blocks (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES),
+        help="eviction policies (default: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--index", nargs="+", choices=INDEX_NAMES, default=["hash"],
+        help="prefix index(es); several: compare their replay wall time (default: hash)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--format", dest="trace_format", choices=["auto", "mooncake", "tokens"], default="auto"
+    )
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16,
+        help="tokens per block for token-id traces (Mooncake blocks are 512 tokens)",
+    )  # fmt: skip
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run the sweep, print the tables, write the requested files; the exit status.
+
+    Bad input (a malformed trace, a capacity below the largest request, an --out that is
+    neither .json nor .csv) prints one line to stderr and returns 2.
+    """
+    try:
+        return _simulate(args)
+    except ValueError as error:
+        print(f"prefixcache simulate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from prefixcache.sim import report as reporting
+    from prefixcache.sim.replay import check_capacity
+    from prefixcache.sim.sweep import run_sweep
+    from prefixcache.sim.traces import load_trace
+
+    if args.out and not args.out.endswith((".json", ".csv")):
+        raise ValueError(f"--out {args.out}: the suffix must be .json or .csv")
+    trace = load_trace(args.trace, args.trace_format)
+    check_capacity(trace, min(args.capacity), args.block_size)
+    total = len(trace.requests) * len(args.capacity) * len(args.policy) * len(args.index)
+    with progress_bar(total, args.quiet) as progress:
+        report = run_sweep(
+            trace,
+            args.capacity,
+            list(dict.fromkeys(args.policy)),
+            list(dict.fromkeys(args.index)),
+            block_size=args.block_size,
+            optimum=not args.no_optimum,
+            progress=progress,
+        )
+    print(reporting.format_report(report))
+    _write_outputs(report, args)
+    return 0 if reporting.same_hits(report) else 1
+
+
+def _write_outputs(report: SweepReport, args: argparse.Namespace) -> None:
+    """The --out file and the --plot PNG, if asked for."""
+    from prefixcache.sim import report as reporting
+
+    if args.out:
+        reporting.write_report(report, args.out)
+        print(f"results: {args.out}")
+    if args.plot:
+        from prefixcache.sim.plots import plot_hit_rates
+
+        plot_hit_rates(report, args.plot)
+        print(f"plot: {args.plot}")
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, quiet: bool) -> Iterator[Progress | None]:
+    """A tqdm bar over replayed requests on a terminal; None when quiet, piped or absent."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield None
+        return
+    with tqdm(total=total, unit="req", desc="replay", leave=False) as bar:
+        yield bar.update

@@ -1,0 +1,178 @@
+"""Replay a trace through the real ``KVCacheManager``, one request after another.
+
+Mooncake traces: each 512-token block is one cache block (``block_size=1``, token id = the
+block's hash id: the ids are prefix-chained, so the manager's chain keys identify exactly
+the same prefixes). A request looks up its blocks without rule 10's cap (no logits are
+needed), all its blocks are then cached (the last, partial one too) and it is freed.
+Outputs are not cached: the ids cover the input only.
+
+Our token-id format replays with the engine's rules: the cap is on, the prompt is
+committed, the output tokens are appended and committed, then the request is freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from prefixcache.cache import KVCacheManager
+from prefixcache.cache.manager import cdiv
+from prefixcache.sim.traces import MooncakeRequest, TokenRequest, Trace
+
+Progress = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """What one replay at one capacity with one policy and one index measured."""
+
+    capacity: int
+    policy: str
+    index: str
+    requests: int = 0
+    blocks: int = 0  # block lookups (all blocks of each request; prompt blocks for tokens)
+    hit_blocks: int = 0
+    tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0
+    evictions: int = 0
+    peak_usage: float = 0.0  # largest share of the pool held by live requests
+    peak_cached_blocks: int = 0  # most blocks indexed at once
+    wall_seconds: float = 0.0
+    tenants: dict[str, list[int]] = field(default_factory=dict)  # tenant -> [tokens, hits]
+    hits_per_request: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        """Every field but the per-request hits, plus both hit rates."""
+        data = asdict(self)
+        del data["hits_per_request"]
+        if not data["tenants"]:
+            del data["tenants"]
+        return {
+            **data,
+            "block_hit_rate": self.block_hit_rate,
+            "token_hit_rate": self.token_hit_rate,
+        }
+
+
+def replay(
+    trace: Trace,
+    capacity: int,
+    policy: str = "lru",
+    index: str = "hash",
+    *,
+    block_size: int = 16,
+    progress: Progress | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` at ``capacity`` blocks; ``block_size`` applies to token traces only."""
+    check_capacity(trace, capacity, block_size)
+    size = 1 if trace.kind == "mooncake" else block_size
+    manager = KVCacheManager(capacity, size, eviction_policy=policy, index=index)
+    result = ReplayResult(capacity, policy, index)
+    step = _replay_mooncake if trace.kind == "mooncake" else _replay_tokens
+    start = time.perf_counter()
+    for number, request in enumerate(trace.requests):
+        step(manager, str(number), request, result)
+        cached = len(manager.pool.cached)
+        if cached > result.peak_cached_blocks:
+            result.peak_cached_blocks = cached
+        if progress is not None and number % 256 == 255:
+            progress(256)
+    result.wall_seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(len(trace.requests) % 256)
+    _finish(result, manager)
+    return result
+
+
+def _finish(result: ReplayResult, manager: KVCacheManager) -> None:
+    """Copy the manager's counters into ``result``; the pool must be whole and consistent."""
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks, "the replay leaked blocks"
+    result.requests = manager.stats.requests
+    result.evictions = manager.stats.evictions
+    result.peak_usage = 1.0 - manager.stats.min_free_blocks / manager.num_blocks
+
+
+def _replay_mooncake(
+    manager: KVCacheManager, request_id: str, request: MooncakeRequest, result: ReplayResult
+) -> None:
+    """Look up every block (no cap), cache them all, free."""
+    ids = request.hash_ids
+    seq = manager.admit(request_id, ids, cap_last_token=False)
+    assert seq is not None, "a sequential replay always has the whole pool free"
+    manager.commit(seq, len(ids))
+    manager.free(seq)
+    hit = seq.num_cached_tokens
+    result.blocks += len(ids)
+    result.hit_blocks += hit
+    result.tokens += request.input_length
+    result.hit_tokens += request.hit_tokens(hit)
+    result.hits_per_request.append(hit)
+
+
+def _replay_tokens(
+    manager: KVCacheManager, request_id: str, request: TokenRequest, result: ReplayResult
+) -> None:
+    """The engine's rules: capped lookup, prompt committed, outputs appended and committed."""
+    prompt = request.token_ids
+    seq = manager.admit(request_id, prompt, cache_salt=request.cache_salt)
+    assert seq is not None, "a sequential replay always has the whole pool free"
+    manager.commit(seq, len(prompt))
+    outputs = request.output_token_ids
+    room = (len(seq.blocks) + manager.num_free_blocks) * manager.block_size - len(prompt)
+    if outputs[:room] and manager.append(seq, outputs[:room]):
+        manager.commit(seq, seq.num_tokens)
+    manager.free(seq)
+    hit = seq.num_cached_tokens
+    result.blocks += cdiv(len(prompt), manager.block_size)
+    result.hit_blocks += hit // manager.block_size
+    result.tokens += len(prompt)
+    result.hit_tokens += hit
+    result.hits_per_request.append(hit // manager.block_size)
+    if request.tenant is not None:
+        counts = result.tenants.setdefault(request.tenant, [0, 0])
+        counts[0] += len(prompt)
+        counts[1] += hit
+
+
+def check_capacity(trace: Trace, capacity: int, block_size: int = 16) -> None:
+    """ValueError unless every prompt fits in ``capacity`` blocks."""
+    if trace.kind == "mooncake":
+        largest = max((len(r.hash_ids) for r in trace.requests), default=0)
+    else:
+        largest = max((cdiv(len(r.token_ids), block_size) for r in trace.requests), default=0)
+    if capacity < max(largest, 1):
+        raise ValueError(f"capacity {capacity} is below the largest request ({largest} blocks)")
+
+
+def block_references(trace: Trace, capacity: int, block_size: int = 16) -> list[list[int]]:
+    """Each request's cached blocks as prefix-chained ids: the input of the optimum.
+
+    Mooncake: the hash ids themselves. Token traces: an id per full block of prompt and
+    kept output, chained like the manager's keys (salt at the root), so equal ids mean
+    equal prefixes; outputs are cut where the replay cuts them (the pool is full).
+    """
+    if trace.kind == "mooncake":
+        return [request.hash_ids for request in trace.requests]
+    ids: dict[tuple, int] = {}
+    references = []
+    for request in trace.requests:
+        limit = max(len(request.token_ids), capacity * block_size)
+        tokens = (request.token_ids + request.output_token_ids)[:limit]
+        parent: object = ("root", request.cache_salt)
+        chain = []
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            key = (parent, tuple(tokens[start : start + block_size]))
+            parent = ids.setdefault(key, len(ids))
+            chain.append(parent)
+        references.append(chain)
+    return references

@@ -1,0 +1,140 @@
+"""Sweep output: the terminal table, JSON and CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from prefixcache.sim.sweep import SweepReport
+
+CSV_FIELDS = [
+    "capacity",
+    "policy",
+    "index",
+    "block_hit_rate",
+    "token_hit_rate",
+    "hit_blocks",
+    "blocks",
+    "hit_tokens",
+    "tokens",
+    "evictions",
+    "peak_usage",
+    "peak_cached_blocks",
+    "wall_seconds",
+]
+
+
+def _columns(report: SweepReport) -> tuple[list[int], list[str], str]:
+    """Capacities, policies (in run order) and the index whose results fill the tables."""
+    capacities = sorted({run.capacity for run in report.results})
+    policies = list(dict.fromkeys(run.policy for run in report.results))
+    return capacities, policies, report.results[0].index
+
+
+def format_table(report: SweepReport, metric: str = "block_hit_rate") -> str:
+    """One row per capacity, one column per policy (percent), the optimum beside them."""
+    capacities, policies, index = _columns(report)
+    optimum = {item.capacity: item.block_hit_rate for item in report.optimum}
+    show_optimum = bool(optimum) and metric == "block_hit_rate"
+    header = ["capacity", *policies] + (["optimum"] if show_optimum else [])
+    rows = [" ".join(f"{name:>9}" for name in header)]
+    for capacity in capacities:
+        cells = [f"{capacity:>9}"]
+        for policy in policies:
+            value = getattr(report.result(capacity, policy, index), metric)
+            cells.append(f"{100 * value:>9.2f}")
+        if show_optimum:
+            cells.append(f"{100 * optimum[capacity]:>9.2f}")
+        rows.append(" ".join(cells))
+    return "\n".join(rows)
+
+
+def format_timings(report: SweepReport) -> str:
+    """Replay wall time per index and policy (summed over capacities); identical hits?"""
+    capacities, policies, _ = _columns(report)
+    indexes = list(dict.fromkeys(run.index for run in report.results))
+    lines = []
+    for index in indexes:
+        parts = []
+        for policy in policies:
+            seconds = sum(report.result(c, policy, index).wall_seconds for c in capacities)
+            parts.append(f"{policy} {seconds:.2f}s")
+        lines.append(f"  index {index}: " + ", ".join(parts))
+    if len(indexes) > 1:
+        lines.append("  identical hits across indexes: " + ("yes" if same_hits(report) else "NO"))
+    return "\n".join(lines)
+
+
+def same_hits(report: SweepReport) -> bool:
+    """Whether every index served exactly the same blocks to every request."""
+    first: dict[tuple[int, str], list[int]] = {}
+    for run in report.results:
+        expected = first.setdefault((run.capacity, run.policy), run.hits_per_request)
+        if run.hits_per_request != expected:
+            return False
+    return True
+
+
+def format_report(report: SweepReport) -> str:
+    """Everything the terminal shows."""
+    trace = report.trace
+    lines = [
+        f"trace {trace['path']} ({trace['format']}): {trace['requests']:,} requests, "
+        f"{trace['block_references']:,} block references, {trace['distinct_blocks']:,} "
+        f"distinct; unbounded cache {100 * trace['infinite_block_hit_rate']:.2f}%",
+        f"block hit rate (%), index {report.results[0].index}:",
+        format_table(report),
+        "token hit rate (%):",
+        format_table(report, "token_hit_rate"),
+        "replay wall time:",
+        format_timings(report),
+    ]
+    return "\n".join(lines)
+
+
+def as_json(report: SweepReport) -> dict:
+    """The whole report as plain data."""
+    return {
+        "trace": report.trace,
+        "results": [run.as_dict() for run in report.results],
+        "optimum": [
+            {
+                "capacity": item.capacity,
+                "hit_blocks": item.hit_blocks,
+                "block_hit_rate": item.block_hit_rate,
+                "wall_seconds": item.wall_seconds,
+            }
+            for item in report.optimum
+        ],
+    }
+
+
+def write_report(report: SweepReport, path: str | Path) -> None:
+    """JSON or CSV, by the file's suffix; ValueError for anything else."""
+    path = Path(path)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(as_json(report), indent=2) + "\n", encoding="utf-8")
+    elif path.suffix == ".csv":
+        _write_csv(report, path)
+    else:
+        raise ValueError(f"--out {path}: the suffix must be .json or .csv")
+
+
+def _write_csv(report: SweepReport, path: Path) -> None:
+    """One row per replay, then one per optimum (policy "optimum", blocks only)."""
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for run in report.results:
+            writer.writerow(run.as_dict())
+        for item in report.optimum:
+            writer.writerow(
+                {
+                    "capacity": item.capacity,
+                    "policy": "optimum",
+                    "block_hit_rate": item.block_hit_rate,
+                    "hit_blocks": item.hit_blocks,
+                    "wall_seconds": item.wall_seconds,
+                }
+            )

@@ -1,0 +1,220 @@
+"""Trace readers: the Mooncake block-hash format and our own token-id format (JSON lines).
+
+Both read line by line and yield one validated request at a time. A malformed line raises
+ValueError naming the file, the line number and the field. Token ids only, never text.
+
+Mooncake (FAST'25 release): ``{"timestamp": ms, "input_length": n, "output_length": m,
+"hash_ids": [...]}``, one id per 512-token block of the input, prefix-chained (an id at
+position k stands for the same first k+1 blocks everywhere), the last block partial.
+
+Ours: ``{"timestamp": ms, "token_ids": [...], "output_token_ids": [...],
+"cache_salt": "...", "tenant": "..."}``; the last three are optional.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MOONCAKE_BLOCK_TOKENS = 512
+MAX_ID = 2**32 - 1
+TOKEN_FIELDS = {"timestamp", "token_ids", "output_token_ids", "cache_salt", "tenant"}
+
+
+@dataclass(slots=True)
+class MooncakeRequest:
+    """One Mooncake request: its input blocks as prefix-chained hash ids."""
+
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+    def hit_tokens(self, hit_blocks: int) -> int:
+        """Tokens in the first ``hit_blocks`` blocks: 512 each, the last one partial."""
+        if hit_blocks >= len(self.hash_ids):
+            return self.input_length
+        return hit_blocks * MOONCAKE_BLOCK_TOKENS
+
+
+@dataclass(slots=True)
+class TokenRequest:
+    """One request of our own format: prompt and output token ids, salt and tenant."""
+
+    timestamp: float
+    token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    tenant: str | None = None
+
+
+@dataclass(slots=True)
+class Trace:
+    """A loaded trace: where it came from, its format, and its requests in time order."""
+
+    path: str
+    kind: str
+    requests: list
+
+
+class LineError(ValueError):
+    """A malformed trace line (the message names the file, the line and the field)."""
+
+
+def _error(path: Path, line_no: int, message: str) -> LineError:
+    return LineError(f"{path}, line {line_no}: {message}")
+
+
+def _parse_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for every non-blank line, streaming."""
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise _error(path, line_no, f"invalid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise _error(path, line_no, f"expected a JSON object, got {type(record).__name__}")
+            yield line_no, record
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Fields:
+    """Typed access to one record's fields; every failure names the field."""
+
+    def __init__(self, path: Path, line_no: int, record: dict) -> None:
+        self.path, self.line_no, self.record = path, line_no, record
+
+    def fail(self, name: str, message: str) -> LineError:
+        return _error(self.path, self.line_no, f"field {name!r} {message}")
+
+    def required(self, name: str) -> object:
+        if name not in self.record:
+            raise self.fail(name, "is missing")
+        return self.record[name]
+
+    def timestamp(self) -> float:
+        value = self.required("timestamp")
+        if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+            raise self.fail("timestamp", f"must be a number (ms), got {value!r}")
+        if value < 0:
+            raise self.fail("timestamp", f"must be >= 0, got {value}")
+        return value
+
+    def count(self, name: str) -> int:
+        value = self.required(name)
+        if not _is_int(value):
+            raise self.fail(name, f"must be an integer, got {type(value).__name__}")
+        if value < 0:
+            raise self.fail(name, f"must be >= 0, got {value}")
+        return value
+
+    def ids(self, name: str, *, required: bool = True) -> list[int]:
+        """A list of ids in [0, 2**32); non-empty when required."""
+        value = self.required(name) if required else self.record.get(name, [])
+        if not isinstance(value, list):
+            raise self.fail(name, f"must be a list of integers, got {type(value).__name__}")
+        if required and not value:
+            raise self.fail(name, "is empty")
+        for position, item in enumerate(value):
+            if not _is_int(item) or not 0 <= item <= MAX_ID:
+                raise self.fail(name, f"[{position}] = {item!r} is not an integer in [0, 2**32)")
+        return value
+
+    def optional_str(self, name: str) -> str | None:
+        value = self.record.get(name)
+        if value is not None and not isinstance(value, str):
+            raise self.fail(name, f"must be a string, got {type(value).__name__}")
+        return value
+
+
+def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
+    """Stream a Mooncake trace, checking lengths against the ids and the prefix chaining."""
+    path = Path(path)
+    parent_of: dict[int, int] = {}  # id -> the id before it (-1 at position 0)
+    for line_no, record in _parse_lines(path):
+        fields = _Fields(path, line_no, record)
+        request = MooncakeRequest(
+            fields.timestamp(),
+            fields.count("input_length"),
+            fields.count("output_length"),
+            fields.ids("hash_ids"),
+        )
+        _check_blocks(fields, request)
+        _check_chaining(fields, request.hash_ids, parent_of)
+        yield request
+
+
+def _check_blocks(fields: _Fields, request: MooncakeRequest) -> None:
+    """The ids cover the input: one per 512 tokens, the last one partial."""
+    needed = math.ceil(request.input_length / MOONCAKE_BLOCK_TOKENS)
+    if needed != len(request.hash_ids):
+        raise fields.fail(
+            "hash_ids",
+            f"has {len(request.hash_ids)} ids but input_length {request.input_length} "
+            f"needs {needed} blocks of {MOONCAKE_BLOCK_TOKENS}",
+        )
+
+
+def _check_chaining(fields: _Fields, hash_ids: list[int], parent_of: dict[int, int]) -> None:
+    """An id must follow the same id everywhere (and never repeat within a request)."""
+    parent = -1
+    for position, block_id in enumerate(hash_ids):
+        known = parent_of.setdefault(block_id, parent)
+        if known != parent:
+            raise fields.fail(
+                "hash_ids",
+                f"[{position}] = {block_id} follows {parent} here but {known} earlier: "
+                "ids must be prefix-chained",
+            )
+        parent = block_id
+
+
+def read_token_trace(path: str | Path) -> Iterator[TokenRequest]:
+    """Stream a trace of our own token-id format."""
+    path = Path(path)
+    for line_no, record in _parse_lines(path):
+        fields = _Fields(path, line_no, record)
+        unknown = sorted(set(record) - TOKEN_FIELDS)
+        if unknown:
+            raise fields.fail(unknown[0], f"is not one of {sorted(TOKEN_FIELDS)}")
+        yield TokenRequest(
+            fields.timestamp(),
+            fields.ids("token_ids"),
+            fields.ids("output_token_ids", required=False),
+            fields.optional_str("cache_salt"),
+            fields.optional_str("tenant"),
+        )
+
+
+def detect_format(path: str | Path) -> str:
+    """ "mooncake" or "tokens", from the first non-blank line's fields."""
+    path = Path(path)
+    for line_no, record in _parse_lines(path):
+        if "hash_ids" in record:
+            return "mooncake"
+        if "token_ids" in record:
+            return "tokens"
+        raise _error(path, line_no, "neither 'hash_ids' (Mooncake) nor 'token_ids' present")
+    raise ValueError(f"{path}: the trace is empty")
+
+
+def load_trace(path: str | Path, trace_format: str = "auto") -> Trace:
+    """Read a whole trace once (validated), in timestamp order (stable for ties)."""
+    kind = detect_format(path) if trace_format == "auto" else trace_format
+    readers = {"mooncake": read_mooncake, "tokens": read_token_trace}
+    if kind not in readers:
+        raise ValueError(f"unknown trace format {kind!r}; choose auto, mooncake or tokens")
+    requests = list(readers[kind](path))
+    if any(a.timestamp > b.timestamp for a, b in itertools.pairwise(requests)):
+        requests.sort(key=lambda request: request.timestamp)
+    return Trace(str(path), kind, requests)
