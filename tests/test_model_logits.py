@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -64,8 +65,13 @@ def _model_config(hf: transformers.LlamaConfig) -> ModelConfig:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def pair(request: pytest.FixtureRequest) -> Pair:
+    return make_pair(tied=request.param)
+
+
+def make_pair(tied: bool) -> Pair:
+    """Random HF weights (seeded) and our model loaded from them."""
     torch.manual_seed(1234)
-    hf_config = _hf_config(tied=request.param)
+    hf_config = _hf_config(tied=tied)
     hf = transformers.LlamaForCausalLM(hf_config).eval()
     with torch.no_grad():  # larger than HF's 0.02 init, so attention is far from uniform
         for name, p in hf.named_parameters():
@@ -92,12 +98,14 @@ class Seq:
 class Runner:
     """Drives our model like an engine would, with hand-assigned, shuffled block ids."""
 
-    def __init__(self, pair: Pair, seed: int = 0) -> None:
+    def __init__(self, pair: Pair, seed: int = 0, num_blocks: int = NUM_BLOCKS) -> None:
         self.model = pair.ours
         c = pair.config
-        self.store = KVStore(c.num_layers, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim)
-        self.free = list(range(NUM_BLOCKS))
+        dtype = pair.ours.dtype
+        self.store = KVStore(c.num_layers, num_blocks, BLOCK, c.num_kv_heads, c.head_dim, dtype)
+        self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
+        self.metadata: AttentionMetadata | None = None  # of the last forward
 
     def new_seq(self, tokens: list[int], shared: list[int] = (), computed: int = 0) -> Seq:
         """A sequence whose table starts with the `shared` blocks; fresh blocks cover the rest."""
@@ -105,17 +113,32 @@ class Runner:
         table = list(shared) + [self.free.pop() for _ in range(need)]
         return Seq(list(tokens), table, computed)
 
-    def step(self, batch: list[tuple[Seq, int]]) -> list[torch.Tensor]:
-        """One forward computing `n` more tokens of each sequence; their logits, per sequence."""
+    def append(self, seq: Seq, tokens: list[int]) -> None:
+        """Extend `seq` by `tokens`, with fresh blocks when they spill past its table."""
+        seq.tokens += tokens
+        need = -(-len(seq.tokens) // BLOCK) - len(seq.block_table)
+        seq.block_table += [self.free.pop() for _ in range(need)]
+
+    def step(self, batch: list[tuple[Seq, int]], **build_options: Any) -> list[torch.Tensor]:
+        """One forward computing `n` more tokens of each sequence; their logits, per sequence.
+
+        `build_options` go to `AttentionMetadata.build` (e.g. cascade thresholds).
+        """
+        logits = self.forward(batch, **build_options)
+        for s, n in batch:
+            s.computed += n
+        return logits
+
+    def forward(self, batch: list[tuple[Seq, int]], **build_options: Any) -> list[torch.Tensor]:
+        """`step` without advancing the sequences (it rewrites the same K/V if repeated)."""
         query_lens = [n for _, n in batch]
         context_lens = [s.computed + n for s, n in batch]
         md = AttentionMetadata.build(
-            query_lens, context_lens, [s.block_table for s, _ in batch], BLOCK
+            query_lens, context_lens, [s.block_table for s, _ in batch], BLOCK, **build_options
         )
+        self.metadata = md
         ids = [t for s, n in batch for t in s.tokens[s.computed : s.computed + n]]
         hidden = self.model(torch.tensor(ids), md.positions, md, self.store)
-        for s, n in batch:
-            s.computed += n
         return list(self.model.compute_logits(hidden).split(query_lens))
 
 
