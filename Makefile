@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allocator.py
 	$(BIN)/python benchmarks/sim.py
+	$(BIN)/python benchmarks/attention.py
 	$(BIN)/python benchmarks/engine.py
 
 lab: $(STAMP)
