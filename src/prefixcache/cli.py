@@ -7,6 +7,9 @@ import sys
 
 from prefixcache.server.cli import add_serve_parser, run_serve
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
+from prefixcache.tools.audit import add_audit_parser, run_audit
+from prefixcache.tools.explain import add_explain_parser, run_explain
+from prefixcache.tools.verify import add_verify_parser, run_verify
 
 
 def positive_int(text: str) -> int:
@@ -33,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_parser(commands)
     add_simulate_parser(commands)
+    add_explain_parser(commands)
+    add_verify_parser(commands)
+    add_audit_parser(commands)
     return parser
 
 
@@ -47,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     elif args.command == "simulate":
         return run_simulate(args)
+    elif args.command in COMMANDS:
+        return COMMANDS[args.command](args)
     return 0
+
+
+COMMANDS = {"explain": run_explain, "verify": run_verify, "audit-timing": run_audit}
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prefixcache.cache.hashing import ROOT_UID
@@ -104,6 +104,21 @@ class BlockPool:
         self.cached: PrefixIndex = HashIndex() if index is None else index
         self.stats = stats
         self._next_uid = ROOT_UID + 1
+        self.reused: list[int] | None = None  # ids handed out, when the engine asks to know
+
+    def observe_evictions(self, hook: Callable[[Block], None]) -> None:
+        """Call ``hook(block)`` before each eviction clears the block's identity.
+
+        Wraps ``_forget`` on this instance only, so a pool without a hook pays nothing.
+        """
+        forget = self._forget
+
+        def forget_observed(block: Block) -> None:
+            if block.key is not None:
+                hook(block)
+            forget(block)
+
+        self._forget = forget_observed
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,6 +137,8 @@ class BlockPool:
             taken.append(block)
         if self.free_queue.size < self.stats.min_free_blocks:
             self.stats.min_free_blocks = self.free_queue.size
+        if self.reused is not None:
+            self.reused.extend([block.block_id for block in taken])
         return taken
 
     def _forget(self, block: Block) -> None:
@@ -236,6 +253,8 @@ class PolicyBlockPool(BlockPool):
         free = self.num_free_blocks
         if free < self.stats.min_free_blocks:
             self.stats.min_free_blocks = free
+        if self.reused is not None:
+            self.reused.extend([block.block_id for block in taken])
         return taken
 
     def touch(self, blocks: list[Block]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from typing import TYPE_CHECKING
 
 from prefixcache.cache import integrity
 from prefixcache.cache.block_pool import Block, BlockPool, PolicyBlockPool
@@ -29,6 +30,9 @@ from prefixcache.cache.validation import (
     check_prompt,
     check_token_ids,
 )
+
+if TYPE_CHECKING:
+    from prefixcache.cache.observer import CacheObserver
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,6 +83,29 @@ class KVCacheManager:
         self.sequences: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._memo = PathMemo()
+        self.observer: CacheObserver | None = None
+
+    def set_observer(self, observer: CacheObserver) -> None:
+        """Report every admission, free and eviction to ``observer`` (debug logging)."""
+        self.observer = observer
+        self.pool.observe_evictions(observer.evicted)
+
+    def record_reused_blocks(self) -> None:
+        """From now on, remember every block id handed out (see ``pop_reused_blocks``)."""
+        if self.pool.reused is None:
+            self.pool.reused = []
+
+    def pop_reused_blocks(self) -> list[int]:
+        """Block ids allocated since the last call: slots whose old KV a new owner gets.
+
+        Empty unless ``record_reused_blocks()`` was called. The engine zeroes those that
+        held sensitive KV before anything is written into them.
+        """
+        reused = self.pool.reused
+        if not reused:
+            return []
+        self.pool.reused = []
+        return reused
 
     # ----------------------------------------------------------------- queries
     @property
@@ -99,6 +126,7 @@ class KVCacheManager:
         mm_items: SequenceOf[MultiModalItem] = (),
         *,
         cap_last_token: bool = True,
+        min_hit_tokens: int = 0,
     ) -> int:
         """Tokens ``admit`` would serve from cache right now; changes nothing."""
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
@@ -107,7 +135,8 @@ class KVCacheManager:
         hits: list[Block] = []
         max_blocks = (len(token_ids) - cap_last_token) // self.block_size
         self._walk(token_bytes, max_blocks, extras, hits, [])
-        return len(hits) * self.block_size
+        num_hit_tokens = len(hits) * self.block_size
+        return num_hit_tokens if num_hit_tokens >= min_hit_tokens else 0
 
     # -------------------------------------------------------------- lifecycle
     def admit(
@@ -119,11 +148,14 @@ class KVCacheManager:
         mm_items: SequenceOf[MultiModalItem] = (),
         *,
         cap_last_token: bool = True,
+        min_hit_tokens: int = 0,
     ) -> Sequence | None:
         """Allocate a request's blocks, reusing its cached prefix; None if it cannot fit.
 
         Raises CapacityError when the prompt needs more blocks than the whole pool.
         ``cap_last_token=False`` lifts rule 10 (trace replay: no logits are needed).
+        A hit shorter than ``min_hit_tokens`` is treated as a miss and recomputed, so a
+        prompt cannot be probed for reuse a block at a time.
         """
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already admitted")
@@ -132,6 +164,8 @@ class KVCacheManager:
         num_needed = cdiv(num_tokens, self.block_size)
         check_fits(num_needed, num_tokens, self.block_size, self.num_blocks)
         hits = self._lookup(token_bytes, num_tokens - cap_last_token, extras)
+        if len(hits) * self.block_size < min_hit_tokens:
+            hits = []
         if not self._can_allocate(num_needed - len(hits), hits):
             self.stats.failed_admissions += 1
             return None
@@ -153,6 +187,8 @@ class KVCacheManager:
         seq.num_stored_blocks = len(hits)
         self.sequences[request_id] = seq
         self._count_admission(num_tokens, seq.num_cached_tokens)
+        if self.observer is not None:
+            self.observer.admitted(seq, len(hits))
         return seq
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
@@ -213,6 +249,8 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release every block, deepest first, so shared shallow prefixes live longest."""
         self._check_live(seq)
+        if self.observer is not None:
+            self.observer.freed(seq)
         self.pool.release(reversed(seq.blocks))
         del self.sequences[seq.request_id]
         seq.blocks = []

@@ -48,6 +48,8 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        min_hit_tokens: int = 0,
+        sensitive: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Snapshots of the request as it advances; the last one has ``finished``.
 
@@ -57,7 +59,9 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         try:
-            await self._call("add", request_id, prompt_token_ids, params, cache_salt)
+            await self._call(
+                "add", request_id, prompt_token_ids, params, cache_salt, min_hit_tokens, sensitive
+            )
             while True:
                 output = await stream.get()
                 if isinstance(output, BaseException):

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TextIO
 
 import torch
 
 from prefixcache.cache import CapacityError, KVCacheManager, Namespace
 from prefixcache.cache.manager import cdiv
+from prefixcache.cache.observer import KeyLogObserver
 from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.model import LlamaModel
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
 from prefixcache.engine.sampling import SamplingParams, sample
 from prefixcache.engine.scheduler import ScheduledChunk, Scheduler
+from prefixcache.engine.scrub import BlockScrubber
 from prefixcache.engine.weights import LoadedModel
 
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
@@ -36,6 +39,8 @@ class EngineConfig:
     index: str = "hash"
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
+    log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
 
 
 class LLMEngine:
@@ -80,6 +85,21 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seed = config.seed
         self.seconds_per_token: float | None = None
+        self.scrubber = BlockScrubber(self.cache, self.kv_store, config.zero_on_evict)
+        self._key_log = self._open_key_log(config.log_cache_keys)
+
+    def _open_key_log(self, path: str | None) -> TextIO | None:
+        """Attach the key-component log to the cache (debugging; never tokens or text)."""
+        if path is None:
+            return None
+        log = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- lives as long as the engine
+
+        def write(text: str) -> None:  # whole lines, flushed: a crash loses nothing
+            log.write(text)
+            log.flush()
+
+        self.cache.set_observer(KeyLogObserver(write, self.cache.root_digest))
+        return log
 
     def _blocks_for_bytes(self, budget: int) -> int:
         """How many KV blocks fit in ``budget`` bytes."""
@@ -101,15 +121,31 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        min_hit_tokens: int = 0,
+        sensitive: bool = False,
     ) -> Request:
-        """Queue a request; ValueError (naming the limit) if it can never be served."""
+        """Queue a request; ValueError (naming the limit) if it can never be served.
+
+        A cache hit shorter than ``min_hit_tokens`` counts as a miss; a ``sensitive``
+        request's blocks are zeroed before their slots are reused.
+        """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         params = params or SamplingParams()
         self._check_prompt(prompt_token_ids)
+        if not isinstance(min_hit_tokens, int) or min_hit_tokens < 0:
+            raise ValueError(f"min_hit_tokens must be an int >= 0, got {min_hit_tokens!r}")
+        if sensitive:
+            self.scrubber.activate()
         self._next_seed += 1
         request = Request(
-            request_id, list(prompt_token_ids), params, cache_salt, seed=self._next_seed * 1_000_003
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt,
+            seed=self._next_seed * 1_000_003,
+            min_hit_tokens=min_hit_tokens,
+            sensitive=sensitive,
         )
         for branch in request.branches:
             branch.decoder = self.tokenizer.incremental_decoder()
@@ -169,6 +205,8 @@ class LLMEngine:
                     chunk.num_tokens, chunk.branch.request.prompt_length - chunk.start
                 )
         sampled = [chunk for chunk in chunks if chunk.needs_logits]
+        self.scrubber.zero_reused()  # before this forward writes into reused slots
+        self.scrubber.track(chunks)
         started = time.perf_counter()
         try:
             logits = self._forward(chunks, sampled)
@@ -177,6 +215,7 @@ class LLMEngine:
             raise
         self._track_speed(sum(c.num_tokens for c in chunks), time.perf_counter() - started)
         touched = self._accept_all(sampled, logits)
+        self.scrubber.zero_reused()  # appends may have reused slots, copy targets too
         self.kv_store.copy_blocks(self.cache.pop_pending_copies())
         return [request.snapshot() for request in touched]
 

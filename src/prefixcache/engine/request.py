@@ -79,11 +79,15 @@ class Request:
         params: SamplingParams,
         cache_salt: str | None = None,
         seed: int = 0,
+        min_hit_tokens: int = 0,
+        sensitive: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.cache_salt = cache_salt
+        self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
+        self.sensitive = sensitive  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_cached_tokens: int | None = None  # at first admission

@@ -53,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Branch] = deque()
         self.running: list[Branch] = []
         self._arrivals = 0
+        self.num_preemptions = 0
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -99,7 +100,12 @@ class Scheduler:
         """Give a waiting branch its blocks (reusing its cached prefix) and run it."""
         request = branch.request
         start = time.perf_counter()
-        seq = self.manager.admit(branch.id, branch.token_ids, cache_salt=request.cache_salt)
+        seq = self.manager.admit(
+            branch.id,
+            branch.token_ids,
+            cache_salt=request.cache_salt,
+            min_hit_tokens=request.min_hit_tokens,
+        )
         request.metrics.lookup_seconds += time.perf_counter() - start
         if seq is None:
             return False
@@ -129,13 +135,17 @@ class Scheduler:
                     branch.passed_over += 1
 
     def _cached_tokens(self, branch: Branch) -> int:
-        return self.manager.match(branch.token_ids, cache_salt=branch.request.cache_salt)
+        request = branch.request
+        return self.manager.match(
+            branch.token_ids, request.cache_salt, min_hit_tokens=request.min_hit_tokens
+        )
 
     def preempt_last(self) -> Branch:
         """Free the most recently admitted running branch; it will be recomputed."""
         victim = self.running.pop()
         self._release(victim)
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
         return victim
 

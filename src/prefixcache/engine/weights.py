@@ -77,6 +77,23 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     return _load_gguf(source)
 
 
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a model: no weights are read."""
+    source = default_model_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ModelFileError(f"{source}: no such file or directory")
+    if source.is_dir():
+        try:
+            return Tokenizer.from_hf_folder(source)
+        except Exception as exc:  # tokenizers raises its own exception types
+            raise ModelFileError(f"{source}: cannot load its tokenizer: {exc}") from exc
+    meta = _gguf_metadata(_open_gguf(source), source)
+    try:
+        return Tokenizer.from_gguf_metadata(meta)
+    except Exception as exc:
+        raise ModelFileError(f"{source}: cannot build its tokenizer: {exc}") from exc
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state-dict name a checkpoint for `config` must have, with its HF shape."""
     hidden, inter = config.hidden_size, config.intermediate_size

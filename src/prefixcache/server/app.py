@@ -236,7 +236,9 @@ async def _serve(
         )
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    stream = server.engine.generate(request_id, prompt, params, salt)
+    stream = server.engine.generate(
+        request_id, prompt, params, salt, tenant.min_shared_tokens, tenant.sensitive
+    )
     try:
         first = await anext(stream)
     except ValueError as error:  # the engine refused it: too long for context or pool

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOCAL_TENANT = "local"
+KEY_FILE_FORMAT = (
+    '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_shared_tokens", "sensitive"}]}'
+)
 
 
 class AuthError(Exception):
@@ -30,6 +33,7 @@ class Tenant:
     admin: bool = False
     no_reuse: bool = False  # never reuse any prefix, not even its own
     min_shared_tokens: int = 0  # a hit counts only if at least this many tokens are shared
+    sensitive: bool = False  # zero its KV blocks before their slots are reused
 
 
 class Tenants:
@@ -45,7 +49,7 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: str | Path, secret: bytes | None = None) -> Tenants:
-        """Load ``{"tenants": [{"name", "keys": [...], "admin", "no_reuse", ...}]}``."""
+        """Load a key file shaped like ``KEY_FILE_FORMAT`` (optional fields: false, 0)."""
         try:
             entries = json.loads(Path(path).read_text())["tenants"]
             tenants = {}
@@ -54,12 +58,13 @@ class Tenants:
                     name=str(entry["name"]),
                     admin=bool(entry.get("admin", False)),
                     no_reuse=bool(entry.get("no_reuse", False)),
-                    min_shared_tokens=int(entry.get("min_shared_tokens", 0)),
+                    min_shared_tokens=_non_negative(entry.get("min_shared_tokens", 0)),
+                    sensitive=bool(entry.get("sensitive", False)),
                 )
                 for key in entry["keys"]:
                     tenants[_digest(key)] = tenant
         except (OSError, ValueError, KeyError, TypeError) as error:
-            message = f"API key file {path}: {error!r}; expected {cls.from_file.__doc__}"
+            message = f"API key file {path}: {error!r}; expected {KEY_FILE_FORMAT}"
             raise ValueError(message) from None
         return cls(tenants, secret)
 
@@ -82,6 +87,13 @@ class Tenants:
             parts = [tenant.name, client_salt or ""]
         message = json.dumps(parts).encode()  # unambiguous: ("a", "bc") != ("ab", "c")
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+
+def _non_negative(value: object) -> int:
+    """An integer >= 0 (``min_shared_tokens``); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"min_shared_tokens must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _digest(key: str) -> str:

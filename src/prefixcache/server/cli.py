@@ -47,6 +47,16 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--cache-aware-scheduling", action="store_true")
     serve.add_argument("--eviction-policy", default="lru", choices=POLICY_NAMES)
     serve.add_argument("--index", default="hash", choices=("hash", "radix"))
+    serve.add_argument(
+        "--log-cache-keys",
+        metavar="PATH",
+        help="append one JSON line per looked-up block and per eviction (digests, never tokens)",
+    )
+    serve.add_argument(
+        "--zero-on-evict",
+        action="store_true",
+        help='zero every block\'s K/V before its slot is reused (per tenant: "sensitive")',
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -74,9 +84,11 @@ def run_serve(args: argparse.Namespace) -> int:
                 cache_aware_scheduling=args.cache_aware_scheduling,
                 eviction_policy=args.eviction_policy,
                 index=args.index,
+                zero_on_evict=args.zero_on_evict,
+                log_cache_keys=args.log_cache_keys,
             ),
         )
-    except ValueError as error:  # bad model file, key file or size: say it, no traceback
+    except (ValueError, OSError) as error:  # bad model, key file, size or log path: no traceback
         print(f"prefixcache serve: {error}", file=sys.stderr)
         return 2
     name = args.served_model_name or loaded.source.name.split(".")[0]
@@ -84,8 +96,11 @@ def run_serve(args: argparse.Namespace) -> int:
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens; prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}",
+        f"{'off' if args.no_prefix_caching else 'on'}"
+        f"{'; zero on evict' if args.zero_on_evict else ''}",
         flush=True,
     )
+    if args.log_cache_keys:
+        print(f"logging cache key components to {args.log_cache_keys}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
