@@ -5,22 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefixcache.argtypes import positive_int
 from prefixcache.server.cli import add_serve_parser, run_serve
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
 from prefixcache.tools.audit import add_audit_parser, run_audit
 from prefixcache.tools.explain import add_explain_parser, run_explain
 from prefixcache.tools.verify import add_verify_parser, run_verify
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1, with a message naming the limit."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

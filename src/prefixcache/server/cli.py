@@ -6,16 +6,8 @@ import argparse
 import logging
 import sys
 
+from prefixcache.argtypes import positive_int
 from prefixcache.cache.policy import POLICY_NAMES
-
-POSITIVE = "must be >= 1"
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} {POSITIVE}")
-    return value
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -26,19 +18,19 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     size = serve.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-blocks", type=_positive, help="KV pool size in blocks")
+    size.add_argument("--kv-cache-blocks", type=positive_int, help="KV pool size in blocks")
     size.add_argument(
         "--kv-cache-bytes",
-        type=_positive,
+        type=positive_int,
         default=2 * 2**30,
         help="KV pool size in bytes (default 2 GiB)",
     )
-    serve.add_argument("--block-size", type=_positive, default=16)
-    serve.add_argument("--max-num-seqs", type=_positive, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    serve.add_argument("--block-size", type=positive_int, default=16)
+    serve.add_argument("--max-num-seqs", type=positive_int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     serve.add_argument(
         "--max-pending",
-        type=_positive,
+        type=positive_int,
         default=256,
         help="requests in flight before new ones get HTTP 429",
     )

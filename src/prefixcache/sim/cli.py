@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prefixcache.argtypes import positive_int
 from prefixcache.cache.index import INDEX_NAMES
 from prefixcache.cache.policy import POLICY_NAMES
 from prefixcache.sim.replay import Progress
@@ -20,17 +21,6 @@ if TYPE_CHECKING:
     from prefixcache.sim.sweep import SweepReport
 
 DEFAULT_CAPACITIES = [1000, 5000, 20000]
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1, with a message naming the limit."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,7 +42,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
     """What to replay: capacities, policies, indexes, trace format and block size."""
     parser.add_argument(
-        "--capacity", type=_positive_int, nargs="+", default=DEFAULT_CAPACITIES,
+        "--capacity", type=positive_int, nargs="+", default=DEFAULT_CAPACITIES,
         help="pool sizes in blocks (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
@@ -67,7 +57,7 @@ def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
         "--format", dest="trace_format", choices=["auto", "mooncake", "tokens"], default="auto"
     )
     parser.add_argument(
-        "--block-size", type=_positive_int, default=16,
+        "--block-size", type=positive_int, default=16,
         help="tokens per block for token-id traces (Mooncake blocks are 512 tokens)",
     )  # fmt: skip
 
