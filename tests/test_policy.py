@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from conftest import admit_computed
+from conftest import REAL_TRACE, admit_computed
 from prefixcache import KVCacheManager
 from prefixcache.cache.block_pool import BlockPool, PolicyBlockPool
 from prefixcache.cache.policy import POLICY_NAMES, ARCPolicy
 from prefixcache.sim.replay import replay
 from prefixcache.sim.traces import load_trace
 
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 OTHER_POLICIES = [name for name in POLICY_NAMES if name != "lru"]
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import REAL_TRACE
 from prefixcache import CapacityError, KVCacheManager
 from prefixcache.cache.block_pool import Block
 from prefixcache.cache.hashing import ROOT_UID
@@ -18,8 +18,6 @@ from prefixcache.cache.policy import POLICY_NAMES
 from prefixcache.cache.radix import RadixIndex
 from prefixcache.sim.replay import replay
 from prefixcache.sim.traces import load_trace
-
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 
 
 def token(value: int) -> bytes:

@@ -12,13 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import REAL_TRACE
 from prefixcache.cache.policy import POLICY_NAMES
 from prefixcache.sim.belady import belady_hits, infinite_hits, next_uses
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
 from prefixcache.sim.replay import block_references, replay
 from prefixcache.sim.traces import MooncakeRequest, TokenRequest, Trace, load_trace
-
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 
 
 def mooncake_trace(*requests: list[int], input_lengths: list[int] | None = None) -> Trace:

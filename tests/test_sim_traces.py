@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REAL_TRACE
 from prefixcache.sim.traces import (
     MooncakeRequest,
     TokenRequest,
@@ -15,8 +16,6 @@ from prefixcache.sim.traces import (
     read_mooncake,
     read_token_trace,
 )
-
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 
 
 def write_lines(path: Path, lines: list[object]) -> Path:
