@@ -177,7 +177,7 @@ def main() -> None:
     }
     for workload, run in workloads.items():
         for tag, llm in engines.items():
-            llm.engine.cache.reset()
+            llm.engine.manager.reset()
             results[(workload, tag)] = run(llm)
     from transformers import AutoModelForCausalLM
 

@@ -86,5 +86,5 @@ def assert_pool_clean(engine: LLMEngine) -> None:
     """No request left, every block free, and the cache's invariants hold."""
     assert not engine.requests
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
-    engine.cache.check_invariants()
+    assert engine.manager.num_free_blocks == engine.manager.num_blocks
+    engine.manager.check_invariants()

@@ -62,7 +62,7 @@ def running_server(
 def wait_idle(state: Server, timeout: float = 30) -> None:
     """Until the engine holds no request (aborts of gone clients land asynchronously)."""
     deadline = time.monotonic() + timeout
-    while state.core.requests or state.engine.num_pending:
+    while state.engine.requests or state.async_engine.num_pending:
         if time.monotonic() > deadline:
-            raise AssertionError(f"engine still busy: {list(state.core.requests)}")
+            raise AssertionError(f"engine still busy: {list(state.engine.requests)}")
         time.sleep(0.05)

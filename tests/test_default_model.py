@@ -59,7 +59,7 @@ def test_logits_match_transformers_on_the_same_gguf(llm):
     engine = llm.engine
     engine.add_request("logits", prompt, SamplingParams(temperature=0, max_tokens=1))
     chunks = engine.scheduler.schedule()
-    logits = engine._forward(chunks, chunks)[0]
+    logits = engine._forward(chunks)[0]
     engine.abort_request("logits")
     assert torch.allclose(logits, expected, atol=1e-3), (logits - expected).abs().max()
     assert_pool_clean(engine)

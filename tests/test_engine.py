@@ -56,8 +56,8 @@ def test_caching_never_changes_the_tokens(seed):
     cached_tokens, cached = run_workload(caching=True, seed=seed)
     plain_tokens, plain = run_workload(caching=False, seed=seed)
     assert cached_tokens == plain_tokens
-    assert cached.cache.stats.hits > 0 and plain.cache.stats.hits == 0
-    assert cached.cache.stats.evictions > 0  # the pool was small enough to churn
+    assert cached.manager.stats.hits > 0 and plain.manager.stats.hits == 0
+    assert cached.manager.stats.evictions > 0  # the pool was small enough to churn
 
 
 def test_preemption_recomputes_and_keeps_tokens_identical():
@@ -89,34 +89,23 @@ def test_shared_prefix_is_reported_as_cached():
 
 def test_stop_conditions_and_n():
     engine = tiny_engine()
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    engine.add_request("free", [11, 12, 13], greedy)
-    free = run_to_completion(engine)["free"]
+
+    def run(name: str, **params: object):
+        settings = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, **params}
+        engine.add_request(name, [11, 12, 13], SamplingParams(**settings))
+        return run_to_completion(engine)[name]
+
+    free = run("free")
     assert len(free.token_ids) == 8 and free.outputs[0].finish_reason is FinishReason.LENGTH
     stop_at = free.token_ids[3]
-    engine.add_request(
-        "tok",
-        [11, 12, 13],
-        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at]),
-    )
-    stopped = run_to_completion(engine)["tok"]
+    stopped = run("tok", stop_token_ids=[stop_at])
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at)]
     assert stopped.outputs[0].finish_reason is FinishReason.STOP
     text_stop = free.text[len(free.text) // 2 :][:3]
     if text_stop.strip():
-        engine.add_request(
-            "txt",
-            [11, 12, 13],
-            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[text_stop]),
-        )
-        cut = run_to_completion(engine)["txt"]
+        cut = run("txt", stop=[text_stop])
         assert cut.text == free.text[: free.text.find(text_stop)]
-    engine.add_request(
-        "n",
-        [11, 12, 13],
-        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True),
-    )
-    forked = run_to_completion(engine)["n"]
+    forked = run("n", n=3, temperature=1.0, seed=5, max_tokens=5)
     assert [len(o.token_ids) for o in forked.outputs] == [5, 5, 5]
     assert len({tuple(o.token_ids) for o in forked.outputs}) > 1
     assert_pool_clean(engine)
@@ -162,7 +151,7 @@ def test_a_failed_step_aborts_its_requests_and_forgets_uncomputed_blocks(monkeyp
     with pytest.raises(RuntimeError, match="simulated"):
         engine.step()
     assert_pool_clean(engine)
-    assert engine.cache.match(list(range(60, 90))) == 0  # nothing half-written is reusable
+    assert engine.manager.match(list(range(60, 90))) == 0  # nothing half-written is reusable
     monkeypatch.setattr(engine.model, "forward", original)
     engine.add_request("b", list(range(60, 90)), SamplingParams(temperature=0, max_tokens=2))
     assert len(run_to_completion(engine)["b"].token_ids) == 2

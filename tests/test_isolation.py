@@ -54,12 +54,12 @@ def test_the_engine_recomputes_short_hits():
 
 # ----------------------------------------------------------------- zero on evict
 @pytest.mark.parametrize(
-    ("zero_on_evict", "sensitive", "zeroed"),
+    ("zero_all", "zero_this", "zeroed"),
     [(False, False, False), (True, False, True), (False, True, True)],
 )
-def test_an_evicted_block_is_zeroed_only_when_asked(zero_on_evict, sensitive, zeroed):
-    engine = tiny_engine(num_kv_blocks=8, block_size=4, zero_on_evict=zero_on_evict)
-    engine.add_request("a", list(range(300, 309)), GREEDY, sensitive=sensitive)
+def test_an_evicted_block_is_zeroed_only_when_asked(zero_all, zero_this, zeroed):
+    engine = tiny_engine(num_kv_blocks=8, block_size=4, zero_on_evict=zero_all)
+    engine.add_request("a", list(range(300, 309)), GREEDY, zero_on_evict=zero_this)
     engine.step()  # prefill: blocks 0 and 1 hold a's K/V for positions 0-7
     table = list(engine.requests["a"].branches[0].seq.block_table)
     run_to_completion(engine)
@@ -68,7 +68,7 @@ def test_an_evicted_block_is_zeroed_only_when_asked(zero_on_evict, sensitive, ze
     # 25 tokens need 7 blocks: the victim becomes b's last block, where b writes slots 0-1
     engine.add_request("b", list(range(400, 425)), GREEDY)
     engine.step()
-    assert engine.cache.stats.evictions >= 1
+    assert engine.manager.stats.evictions >= 1
     assert engine.requests["b"].branches[0].seq.block_table[-1] == victim
     run_to_completion(engine)
     for layer, before in zip(engine.kv_store.layers, old, strict=True):
@@ -83,8 +83,8 @@ def test_an_evicted_block_is_zeroed_only_when_asked(zero_on_evict, sensitive, ze
 SYSTEM = "Zebra railway assistant: answer carefully and briefly. " * 6
 KEYS = {
     "alpha": {"keys": ["sk-alpha"]},
-    "strict": {"keys": ["sk-strict"], "min_shared_tokens": 1000},
-    "vault": {"keys": ["sk-vault"], "sensitive": True},
+    "strict": {"keys": ["sk-strict"], "min_hit_tokens": 1000},
+    "vault": {"keys": ["sk-vault"], "zero_on_evict": True},
 }
 
 
@@ -109,22 +109,22 @@ def cached_tokens(url: str, key: str, question: str) -> int:
     return reply.usage.prompt_tokens_details.cached_tokens
 
 
-def test_min_shared_tokens_and_sensitive_tenants_through_the_server(served):
+def test_min_hit_tokens_and_zero_on_evict_tenants_through_the_server(served):
     url, state = served
     for key in ("sk-alpha", "sk-strict"):
         cached_tokens(url, key, "First?")
     assert cached_tokens(url, "sk-alpha", "Second?") > 40  # a plain tenant reuses
     assert cached_tokens(url, "sk-strict", "Second?") == 0  # shorter than 1000: recomputed
-    assert not state.core.scrubber.active
+    assert not state.engine.scrubber.active
     cached_tokens(url, "sk-vault", "First?")
-    assert cached_tokens(url, "sk-vault", "Second?") > 40  # sensitive still reuses its own
-    assert state.core.scrubber.active and state.core.scrubber.written
+    assert cached_tokens(url, "sk-vault", "Second?") > 40  # zero_on_evict still reuses its own
+    assert state.engine.scrubber.active and state.engine.scrubber.written
     wait_idle(state)
 
 
-def test_key_file_rejects_a_negative_min_shared_tokens(tmp_path):
+def test_key_file_rejects_a_negative_min_hit_tokens(tmp_path):
     path = tmp_path / "keys.json"
-    tenant = {"name": "x", "keys": ["k"], "min_shared_tokens": -1}
+    tenant = {"name": "x", "keys": ["k"], "min_hit_tokens": -1}
     path.write_text(json.dumps({"tenants": [tenant]}))
-    with pytest.raises(ValueError, match="min_shared_tokens must be an integer >= 0"):
+    with pytest.raises(ValueError, match="min_hit_tokens must be an integer >= 0"):
         Tenants.from_file(path)

@@ -30,7 +30,9 @@ def test_admit_returns_none_and_changes_nothing_when_full(make_manager):
 
 def test_prompt_larger_than_the_pool_is_a_capacity_error_with_both_numbers(make_manager):
     m = make_manager(num_blocks=4, block_size=4)
-    with pytest.raises(CapacityError, match=r"needs 5 blocks \(17 tokens.*only 4 blocks \(16"):
+    with pytest.raises(
+        CapacityError, match=r"17 tokens and needs 5 KV blocks; the pool has 4 blocks \(16"
+    ):
         m.admit("r", list(range(17)))
 
 

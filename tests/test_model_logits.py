@@ -259,9 +259,9 @@ def test_load_weights_names_every_problem(pair: Pair) -> None:
     with pytest.raises(ValueError) as err:
         model.load_weights(state)
     message = str(err.value)
-    assert "missing: model.layers.1.mlp.up_proj.weight" in message
-    assert "unexpected: model.layers.0.self_attn.q_proj.bias" in message
-    assert "mis-shaped: model.norm.weight (65,) != (64,)" in message
+    assert "missing tensors model.layers.1.mlp.up_proj.weight" in message
+    assert "unexpected tensors model.layers.0.self_attn.q_proj.bias" in message
+    assert "mis-shaped tensors model.norm.weight has shape (65,), expected (64,)" in message
 
 
 def test_untied_model_needs_lm_head(pair: Pair) -> None:
@@ -271,7 +271,7 @@ def test_untied_model_needs_lm_head(pair: Pair) -> None:
         LlamaModel(pair.config).load_weights(state)  # a tied checkpoint may omit it
         return
     state = {k: v for k, v in pair.hf.state_dict().items() if k != "lm_head.weight"}
-    with pytest.raises(ValueError, match=r"missing: lm_head\.weight"):
+    with pytest.raises(ValueError, match=r"missing tensors lm_head\.weight"):
         LlamaModel(pair.config).load_weights(state)
 
 

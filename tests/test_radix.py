@@ -49,9 +49,7 @@ class Blocks:
 
 
 def walk(index, values: list[int]) -> list[Block]:
-    hits: list[Block] = []
-    index.walk(b"".join(map(token, values)), len(values), {}, hits, [])
-    return hits
+    return index.walk(b"".join(map(token, values)), len(values), {}).blocks
 
 
 def runs(node) -> list:

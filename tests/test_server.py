@@ -200,7 +200,7 @@ def test_admin_reset_reports_honestly(served):
         async with httpx.AsyncClient(base_url=url, headers=admin, timeout=60) as http:
             body = {"model": "tiny", "prompt": "long", "max_tokens": 300, "ignore_eos": True}
             busy = asyncio.create_task(http.post("/v1/completions", json=body))
-            while not state.core.requests:
+            while not state.engine.requests:
                 await asyncio.sleep(0.01)
             refused = (await http.post("/admin/reset_prefix_cache")).json()
             await busy
@@ -265,8 +265,8 @@ def test_load_with_random_disconnects_leaves_every_block_free(served):
     results = asyncio.run(load())
     assert set(results) <= {"ok", "disconnected"} and results.count("disconnected") > 20
     wait_idle(state)
-    assert_pool_clean(state.core)
-    assert state.core.cache.stats.hits > 0
+    assert_pool_clean(state.engine)
+    assert state.engine.manager.stats.hits > 0
 
 
 def test_metrics_parse_and_move(served):
@@ -293,7 +293,7 @@ def test_metrics_parse_and_move(served):
         > before["prefixcache_prefix_cache_hits_tokens_total"]
     )
     assert after["prefixcache_reusable_tokens_per_request_count"] >= 2
-    assert after["prefixcache_kv_free_blocks"] == state.core.cache.num_blocks
+    assert after["prefixcache_kv_free_blocks"] == state.engine.manager.num_blocks
     for name in (
         "prefixcache_kv_free_blocks_low_watermark",
         "prefixcache_kv_evictions_total",

@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from prefixcache import CapacityError, KVCacheManager
-from prefixcache.cache.manager import cdiv
+from prefixcache.cache.common import cdiv
 
 BASES = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
@@ -150,68 +150,23 @@ class SmallBlockMachine(CacheMachine):
     num_blocks = 6
 
 
-class FastHashMachine(CacheMachine):
-    """The same rules hold with the optional xxh3_128 digest."""
-
-    hash_algo = "xxh3_128"
-
-
-class ARCMachine(SmallBlockMachine):
-    """The same rules hold when ARC picks the victims (small blocks: many evictions)."""
-
-    eviction_policy = "arc"
-
-
-class SLRUMachine(SmallBlockMachine):
-    """The same rules hold under segmented LRU."""
-
-    eviction_policy = "slru"
-
-
-class LFUDAMachine(SmallBlockMachine):
-    """The same rules hold under LFU with dynamic aging."""
-
-    eviction_policy = "lfuda"
-
-
-class RadixMachine(CacheMachine):
-    """The same rules hold with the radix-tree index."""
-
-    index = "radix"
-
-
-class RadixSmallBlockMachine(SmallBlockMachine):
-    """Radix index under heavy eviction: runs are split, cut and detached all the time."""
-
-    index = "radix"
-
-
-class RadixARCMachine(SmallBlockMachine):
-    """Radix index with a non-LRU policy: victims in the middle of runs."""
-
-    index = "radix"
-    eviction_policy = "arc"
-
-
+# Each variant: (base machine, class attributes). The same rules must hold in every one.
+VARIANTS = {
+    "FastHash": (CacheMachine, {"hash_algo": "xxh3_128"}),  # the optional xxh3_128 digest
+    "ARC": (SmallBlockMachine, {"eviction_policy": "arc"}),  # many evictions, ARC victims
+    "SLRU": (SmallBlockMachine, {"eviction_policy": "slru"}),
+    "LFUDA": (SmallBlockMachine, {"eviction_policy": "lfuda"}),
+    "Radix": (CacheMachine, {"index": "radix"}),
+    "RadixSmallBlock": (SmallBlockMachine, {"index": "radix"}),  # runs split, cut, detached
+    "RadixARC": (SmallBlockMachine, {"index": "radix", "eviction_policy": "arc"}),
+}
+STATEFUL_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
 TestSmallBlockMachine = SmallBlockMachine.TestCase
-TestFastHashMachine = FastHashMachine.TestCase
-TestARCMachine = ARCMachine.TestCase
-TestSLRUMachine = SLRUMachine.TestCase
-TestLFUDAMachine = LFUDAMachine.TestCase
-TestRadixMachine = RadixMachine.TestCase
-TestRadixSmallBlockMachine = RadixSmallBlockMachine.TestCase
-TestRadixARCMachine = RadixARCMachine.TestCase
-STATEFUL_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
-for machine_test in (
-    TestCacheMachine,
-    TestSmallBlockMachine,
-    TestFastHashMachine,
-    TestARCMachine,
-    TestSLRUMachine,
-    TestLFUDAMachine,
-    TestRadixMachine,
-    TestRadixSmallBlockMachine,
-    TestRadixARCMachine,
-):
+for machine_test in (TestCacheMachine, TestSmallBlockMachine):
     machine_test.settings = STATEFUL_SETTINGS
+for variant, (base, attributes) in VARIANTS.items():
+    machine = type(f"{variant}Machine", (base,), attributes)
+    machine.TestCase.settings = STATEFUL_SETTINGS
+    globals()[f"Test{variant}Machine"] = machine.TestCase
+del machine_test, machine  # module-level TestCase aliases would be collected twice

@@ -14,6 +14,8 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES
+
 ROOT_UID = 0
 MAX_TOKEN_ID = 2**32 - 1
 FORMAT_TAG = b"prefixcache/v1"
@@ -33,7 +35,7 @@ class Namespace:
     model: str = "default"
     revision: str = ""
     dtype: str = ""
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     extra: tuple[tuple[str, str], ...] = ()
 
     def fields(self) -> list[tuple[str, str]]:
@@ -156,6 +158,6 @@ def block_digest(
     hash_fn: Callable[[bytes], bytes],
 ) -> bytes:
     """Chained digest: H(parent || u32le n_tokens || tokens || extras)."""
-    header = struct.pack("<I", len(token_bytes) // 4)
+    header = struct.pack("<I", len(token_bytes) // TOKEN_BYTES)
     tail = serialize_extras(extras) if extras else b"\x00\x00\x00\x00"
     return hash_fn(parent + header + token_bytes + tail)

@@ -8,26 +8,33 @@ workload they match exactly the same blocks; only the data structure differs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES
 from prefixcache.cache.hashing import ROOT_UID
 
 if TYPE_CHECKING:
     from prefixcache.cache.block_pool import Block
 
 INDEX_NAMES = ("hash", "radix")
+DEFAULT_INDEX = "hash"
+
+
+class PrefixMatch(NamedTuple):
+    """Blocks found by one walk, and their content ids, in chain order."""
+
+    blocks: list[Block]
+    uids: list[int]
 
 
 class PrefixIndex(Protocol):
     """What the pool and the manager need from an index (a subset of a dict, plus ``walk``)."""
 
     block_size: int
-
-    def walk(
-        self, token_bytes: bytes, max_blocks: int, extras: dict, hits: list, uids: list
-    ) -> None:
-        """Extend ``hits`` (and ``uids``) block by block; stop at the first miss (rule 4)."""
+    # walk(token_bytes, max_blocks, extras, start=0, parent_uid=ROOT_UID): blocks ``start``..
+    # below ``parent_uid`` (the last block already matched), up to the first miss (rule 4)
+    walk: Callable[..., PrefixMatch]
 
     def get(self, key: tuple, default: None = None) -> Block | None:
         """The indexed block holding ``key``, or None."""
@@ -58,7 +65,7 @@ class HashIndex(dict):
 
     __slots__ = ("block_size",)
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         super().__init__()
         self.block_size = block_size
 
@@ -67,17 +74,19 @@ class HashIndex(dict):
         token_bytes: bytes,
         max_blocks: int,
         extras: dict,
-        hits: list[Block],
-        uids: list[int],
-    ) -> None:
-        """Extend ``hits`` block by block through the dict; stop at the first miss.
+        start: int = 0,
+        parent_uid: int = ROOT_UID,
+    ) -> PrefixMatch:
+        """Blocks ``start``.. found through the dict, under ``parent_uid``; stop at the first miss.
 
-        Rule 4; ``max_blocks`` carries rule 10's cap. ``uids`` grows alongside.
+        Rule 4; ``max_blocks`` carries rule 10's cap.
         """
-        step = self.block_size * 4
+        step = self.block_size * TOKEN_BYTES
         get = self.get
-        parent = uids[-1] if uids else ROOT_UID
-        for index in range(len(hits), max_blocks):
+        hits: list[Block] = []
+        uids: list[int] = []
+        parent = parent_uid
+        for index in range(start, max_blocks):
             chunk = token_bytes[index * step : (index + 1) * step]
             extra = extras.get(index) if extras else None
             block = get((parent, chunk, extra) if extra else (parent, chunk))
@@ -86,6 +95,7 @@ class HashIndex(dict):
             parent = block.uid
             hits.append(block)
             uids.append(parent)
+        return PrefixMatch(hits, uids)
 
     def check(self) -> None:
         """A dict has no structure beyond what the pool-level checks already verify."""

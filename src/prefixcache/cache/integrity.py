@@ -5,16 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.common import cdiv, require
+
 if TYPE_CHECKING:
     from prefixcache.cache.block_pool import FreeBlockQueue
     from prefixcache.cache.manager import KVCacheManager
     from prefixcache.cache.sequence import Sequence
-
-
-def require(condition: bool, message: str) -> None:
-    """Raise AssertionError with ``message`` (unlike ``assert``, never stripped)."""
-    if not condition:
-        raise AssertionError(message)
 
 
 def check(manager: KVCacheManager) -> None:
@@ -106,7 +102,7 @@ def _check_sequence(manager: KVCacheManager, seq: Sequence) -> None:
     """A live table covers its tokens and its stored blocks still hold its content."""
     block_size = manager.block_size
     require(
-        len(seq.blocks) == -(-seq.num_tokens // block_size),
+        len(seq.blocks) == cdiv(seq.num_tokens, block_size),
         f"table: {seq.request_id!r} has {len(seq.blocks)} blocks for {seq.num_tokens} tokens",
     )
     require(

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from prefixcache.cache import integrity
 from prefixcache.cache.block_pool import Block, BlockPool, PolicyBlockPool
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, cdiv
 from prefixcache.cache.hashing import (
     ROOT_UID,
     Extras,
@@ -18,10 +19,10 @@ from prefixcache.cache.hashing import (
     get_hash_function,
     namespace_digest,
 )
-from prefixcache.cache.index import PrefixIndex, make_index
+from prefixcache.cache.index import DEFAULT_INDEX, PrefixIndex, make_index
 from prefixcache.cache.path_memo import PathMemo
-from prefixcache.cache.policy import make_policy
-from prefixcache.cache.sequence import Sequence
+from prefixcache.cache.policy import DEFAULT_POLICY, make_policy
+from prefixcache.cache.sequence import ChainKeys, Sequence
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.validation import (
     check_fits,
@@ -35,11 +36,6 @@ if TYPE_CHECKING:
     from prefixcache.cache.observer import CacheObserver
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
-
-
 class KVCacheManager:
     """Paged KV blocks with automatic prefix caching (the article's allocator).
 
@@ -51,13 +47,13 @@ class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         enable_caching: bool = True,
         namespace: Namespace | None = None,
         hash_algo: str = "sha256",
-        eviction_policy: str = "lru",
-        index: str = "hash",
+        eviction_policy: str = DEFAULT_POLICY,
+        index: str = DEFAULT_INDEX,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -132,10 +128,9 @@ class KVCacheManager:
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         if not self.enable_caching:
             return 0
-        hits: list[Block] = []
         max_blocks = (len(token_ids) - cap_last_token) // self.block_size
-        self._walk(token_bytes, max_blocks, extras, hits, [])
-        num_hit_tokens = len(hits) * self.block_size
+        found = self._walk(token_bytes, max_blocks, extras)
+        num_hit_tokens = len(found.blocks) * self.block_size
         return num_hit_tokens if num_hit_tokens >= min_hit_tokens else 0
 
     # -------------------------------------------------------------- lifecycle
@@ -161,8 +156,8 @@ class KVCacheManager:
             raise ValueError(f"request_id {request_id!r} is already admitted")
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         num_tokens = len(token_ids)
+        check_fits(num_tokens, self.block_size, self.num_blocks)
         num_needed = cdiv(num_tokens, self.block_size)
-        check_fits(num_needed, num_tokens, self.block_size, self.num_blocks)
         hits = self._lookup(token_bytes, num_tokens - cap_last_token, extras)
         if len(hits) * self.block_size < min_hit_tokens:
             hits = []
@@ -171,20 +166,17 @@ class KVCacheManager:
             return None
         self.pool.touch(hits)  # before allocate: never evict the prefix just found
         blocks = hits + self.pool.allocate(num_needed - len(hits))
-        seq = Sequence(
-            request_id,
-            self.block_size,
-            list(token_ids),
+        keys = ChainKeys(
             token_bytes,
-            blocks,
             extras,
             self._hash_fn,
             self.root_digest,
+            cache_salt,
+            lora_name,
+            tuple(mm_items),
+            cap_last_token,
         )
-        seq.cache_salt, seq.lora_name, seq.mm_items = cache_salt, lora_name, tuple(mm_items)
-        seq.cap_last_token = cap_last_token
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_stored_blocks = len(hits)
+        seq = Sequence(request_id, self.block_size, list(token_ids), blocks, keys, len(hits))
         self.sequences[request_id] = seq
         self._count_admission(num_tokens, seq.num_cached_tokens)
         if self.observer is not None:
@@ -310,15 +302,18 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
-        step = self.block_size * 4
+        step = self.block_size * TOKEN_BYTES
         max_blocks = num_matchable // self.block_size
         memo_key = tuple(extras.items()) if extras else None
         hits, uids = self._memo.recall(memo_key, token_bytes, max_blocks, step)
         recalled = len(hits)
         if recalled < max_blocks:
-            self._walk(token_bytes, max_blocks, extras, hits, uids)
-        if len(hits) > recalled:  # the walk learned something the memo did not know
-            self._memo.remember(memo_key, token_bytes, hits, uids, step)
+            parent = uids[-1] if recalled else ROOT_UID
+            found = self._walk(token_bytes, max_blocks, extras, recalled, parent)
+            if found.blocks:  # the walk learned something the memo did not know
+                hits += found.blocks
+                uids += found.uids
+                self._memo.remember(memo_key, token_bytes, hits, uids, step)
         return hits
 
     def _can_allocate(self, num_new: int, hits: list[Block]) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from prefixcache.cache.block_pool import Block
+from prefixcache.cache.common import TOKEN_BYTES
 from prefixcache.cache.sequence import Sequence
 
 SHORT_HEX = 12  # 48 bits: enough to join lines, too short to be a portable key
@@ -79,7 +80,7 @@ class KeyLogObserver:
             "event": "evict",
             **holder,
             "digest": short(block.digest),
-            "tokens": len(block.key[1]) // 4 if block.key else None,
+            "tokens": len(block.key[1]) // TOKEN_BYTES if block.key else None,
             "refcount": block.ref_cnt,
             "block_id": block.block_id,
         }

@@ -25,9 +25,11 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from prefixcache.cache.block_pool import Block, FreeBlockQueue
-from prefixcache.cache.integrity import check_queue, require
+from prefixcache.cache.common import require
+from prefixcache.cache.integrity import check_queue
 
 POLICY_NAMES = ("lru", "arc", "slru", "lfuda")
+DEFAULT_POLICY = "lru"  # the article's policy: the free queue itself
 
 
 class EvictionPolicy:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, require
 from prefixcache.cache.hashing import ROOT_UID
-from prefixcache.cache.integrity import require
+from prefixcache.cache.index import PrefixMatch
 
 if TYPE_CHECKING:
     from prefixcache.cache.block_pool import Block
@@ -43,7 +44,7 @@ class RadixNode:
 class RadixIndex:
     """Chain key -> block, stored as a radix tree of block runs (see the module docstring)."""
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.block_size = block_size
         self.clear()
 
@@ -60,13 +61,15 @@ class RadixIndex:
         token_bytes: bytes,
         max_blocks: int,
         extras: dict,
-        hits: list[Block],
-        uids: list[int],
-    ) -> None:
-        """Longest-prefix match from the end of ``hits``; stop at the first miss (rule 4)."""
-        step = self.block_size * 4
-        index = len(hits)
-        node, pos = self._where[uids[-1]] if index else (self.root, -1)
+        start: int = 0,
+        parent_uid: int = ROOT_UID,
+    ) -> PrefixMatch:
+        """Longest-prefix match of blocks ``start``.. below ``parent_uid`` (rule 4)."""
+        step = self.block_size * TOKEN_BYTES
+        hits: list[Block] = []
+        uids: list[int] = []
+        index = start
+        node, pos = self._where[parent_uid] if start else (self.root, -1)
         run, pos = node.blocks, pos + 1
         while index < max_blocks:
             chunk = token_bytes[index * step : (index + 1) * step]
@@ -86,6 +89,7 @@ class RadixIndex:
             index += 1
             hits.append(block)
             uids.append(block.uid)
+        return PrefixMatch(hits, uids)
 
     def get(self, key: tuple, default: None = None) -> Block | None:
         """The indexed block holding ``key``, or ``default``."""

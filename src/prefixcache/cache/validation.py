@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prefixcache.cache.common import cdiv
 from prefixcache.cache.hashing import MAX_TOKEN_ID, MultiModalItem, encode_tokens
 
 
@@ -51,11 +52,16 @@ def check_mm_items(items: Sequence[MultiModalItem], num_tokens: int) -> None:
             )
 
 
-def check_fits(num_blocks_needed: int, num_tokens: int, block_size: int, total: int) -> None:
-    """Raise CapacityError for a request larger than the whole pool."""
-    if num_blocks_needed > total:
+def check_fits(num_tokens: int, block_size: int, total: int, num_generated: int = 0) -> None:
+    """CapacityError for a prompt that, with ``num_generated`` more tokens, outgrows the pool.
+
+    The one capacity check: the cache applies it at admission, the engine when a request
+    arrives (reserving room for the first generated token).
+    """
+    needed = cdiv(num_tokens + num_generated, block_size)
+    if needed > total:
+        room = "; 1 more is generated" if num_generated == 1 else ""
         raise CapacityError(
-            f"request needs {num_blocks_needed} blocks ({num_tokens} tokens at block size "
-            f"{block_size}) but the pool has only {total} blocks "
-            f"({total * block_size} tokens)"
+            f"the prompt has {num_tokens} tokens and needs {needed} KV blocks; the pool has "
+            f"{total} blocks ({total * block_size} tokens at block size {block_size}{room})"
         )

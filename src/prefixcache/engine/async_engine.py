@@ -8,12 +8,42 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
 
 log = logging.getLogger("prefixcache.engine")
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Queue a request (the arguments of ``LLMEngine.add_request``, by name)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    min_hit_tokens: int = 0
+    zero_on_evict: bool = False
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """Stop a request and free its blocks."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class CallInEngine:
+    """Run ``function(engine)`` between two steps."""
+
+    function: Callable[[LLMEngine], object]
+
+
+Command = AddRequest | AbortRequest | CallInEngine
 
 
 class AsyncLLMEngine:
@@ -27,7 +57,6 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.error: BaseException | None = None
 
     def start(self) -> None:
         """Start the engine thread, delivering to the running event loop."""
@@ -41,6 +70,7 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        self.engine.close()
 
     async def generate(
         self,
@@ -49,7 +79,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         min_hit_tokens: int = 0,
-        sensitive: bool = False,
+        zero_on_evict: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Snapshots of the request as it advances; the last one has ``finished``.
 
@@ -59,9 +89,10 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         try:
-            await self._call(
-                "add", request_id, prompt_token_ids, params, cache_salt, min_hit_tokens, sensitive
+            add = AddRequest(
+                request_id, prompt_token_ids, params, cache_salt, min_hit_tokens, zero_on_evict
             )
+            await self._call(add)
             while True:
                 output = await stream.get()
                 if isinstance(output, BaseException):
@@ -72,29 +103,29 @@ class AsyncLLMEngine:
         finally:  # may run while cancelled (client gone): submit, don't await
             del self._streams[request_id]
             if request_id in self.engine.requests:
-                self._submit("abort", request_id)
+                self._submit(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks."""
-        await self._call("abort", request_id)
+        await self._call(AbortRequest(request_id))
 
     async def run_in_engine(self, function: Callable[[LLMEngine], object]) -> object:
         """Run ``function(engine)`` on the engine thread between two steps."""
-        return await self._call("call", function)
+        return await self._call(CallInEngine(function))
 
     @property
     def num_pending(self) -> int:
         """Requests in the engine or on their way to it."""
         return len(self._streams)
 
-    def _submit(self, *command: object) -> Future:
+    def _submit(self, command: Command) -> Future:
         future: Future = Future()
-        self._commands.put((future, *command))
+        self._commands.put((future, command))
         self._wake.set()
         return future
 
-    async def _call(self, *command: object) -> object:
-        return await asyncio.wrap_future(self._submit(*command))
+    async def _call(self, command: Command) -> object:
+        return await asyncio.wrap_future(self._submit(command))
 
     def _run(self) -> None:
         while not self._stopped:
@@ -116,25 +147,32 @@ class AsyncLLMEngine:
         """Run queued adds, aborts and calls, between steps, on the engine thread."""
         while True:
             try:
-                future, action, *args = self._commands.get_nowait()
+                future, command = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
-                future.set_result(getattr(self, f"_do_{action}")(*args))
+                future.set_result(self._execute(command))
             except Exception as error:
                 future.set_exception(error)
 
-    def _do_add(self, request_id: str, *args: object) -> None:
-        self.engine.add_request(request_id, *args)
-
-    def _do_abort(self, request_id: str) -> RequestOutput | None:
-        result = self.engine.abort_request(request_id)
-        if result is not None:
-            self._deliver(result)
-        return result
-
-    def _do_call(self, function: Callable[[LLMEngine], object]) -> object:
-        return function(self.engine)
+    def _execute(self, command: Command) -> object:
+        """Carry out one command on the engine thread."""
+        if isinstance(command, AddRequest):
+            self.engine.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                cache_salt=command.cache_salt,
+                min_hit_tokens=command.min_hit_tokens,
+                zero_on_evict=command.zero_on_evict,
+            )
+            return None
+        if isinstance(command, AbortRequest):
+            result = self.engine.abort_request(command.request_id)
+            if result is not None:
+                self._deliver(result)
+            return result
+        return command.function(self.engine)
 
     def _deliver(self, item: RequestOutput | BaseException, request_id: str = "") -> None:
         stream = self._streams.get(request_id or item.request_id)  # type: ignore[union-attr]
@@ -143,6 +181,5 @@ class AsyncLLMEngine:
 
     def _fail_all(self, error: Exception) -> None:
         """Tell every open stream that the step failed (the engine already aborted them)."""
-        self.error = error
         for request_id in list(self._streams):
             self._deliver(RuntimeError(f"engine step failed: {error}"), request_id)

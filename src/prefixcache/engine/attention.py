@@ -19,6 +19,8 @@ from itertools import accumulate, pairwise
 import torch
 import torch.nn.functional as F
 
+from prefixcache.cache.common import cdiv
+
 # When a cascade group pays (see `benchmarks/attention.py --threshold`): a group costs a
 # roughly fixed extra attention call and merge per layer, and saves gathering its shared
 # blocks again for every member but one. So a group needs enough saved tokens,
@@ -117,7 +119,7 @@ class AttentionMetadata:
             min_saved = MIN_SAVED_TOKENS if min_saved_tokens is None else min_saved_tokens
             groups = find_shared_prefixes(
                 query_lens, context_lens, block_tables, block_size,
-                min_blocks, -(-min_saved // block_size),
+                min_blocks, cdiv(min_saved, block_size),
             )  # fmt: skip
         key_starts = [0] * len(query_lens)
         for seqs, num_blocks in groups:
@@ -164,11 +166,6 @@ def _positions_and_slots(
             slots.extend(range(base + offset, base + offset + run))
             pos += run
     return positions, slots
-
-
-def _num_blocks(context_len: int, block_size: int) -> int:
-    """Blocks needed to hold `context_len` tokens."""
-    return -(-context_len // block_size)
 
 
 # --- finding shared prefixes -------------------------------------------------------------
@@ -266,7 +263,7 @@ class _Parts:
     def _prefill(self, i: int) -> PrefillSeq:
         """Sequence i over keys from its `key_start`; new token j sees positions <= its own."""
         q, c, key_start = self.query_lens[i], self.context_lens[i], self.key_starts[i]
-        ids = self.tables[i][key_start // self.block_size : _num_blocks(c, self.block_size)]
+        ids = self.tables[i][key_start // self.block_size : cdiv(c, self.block_size)]
         mask = bias = None
         if c - q > key_start:
             mask = torch.arange(key_start, c)[None, :] <= torch.arange(c - q, c)[:, None]
@@ -284,11 +281,11 @@ class _Parts:
         if not seqs:
             return None
         lens = [self.context_lens[i] - self.key_starts[i] for i in seqs]
-        width = _num_blocks(max(lens), self.block_size)
+        width = cdiv(max(lens), self.block_size)
         padded: list[int] = []
         for i, n in zip(seqs, lens, strict=True):
             skip = self.key_starts[i] // self.block_size
-            used = _num_blocks(n, self.block_size)
+            used = cdiv(n, self.block_size)
             padded.extend(self.tables[i][skip : skip + used])
             padded.extend([0] * (width - used))
         mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(lens)[:, None]

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Engine defaults, read by EngineConfig and by `prefixcache serve` (no torch needed here).
+DEFAULT_KV_CACHE_BYTES = 2 * 2**30
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:

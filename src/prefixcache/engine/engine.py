@@ -1,4 +1,4 @@
-"""LLMEngine: one step = schedule, one forward over the whole batch, sample, account."""
+"""LLMEngine: one step = schedule, one forward over the whole batch, sample, postprocess."""
 
 from __future__ import annotations
 
@@ -8,35 +8,42 @@ from typing import TextIO
 
 import torch
 
-from prefixcache.cache import CapacityError, KVCacheManager, Namespace
-from prefixcache.cache.manager import cdiv
+from prefixcache.cache import KVCacheManager, Namespace
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
+from prefixcache.cache.index import DEFAULT_INDEX
 from prefixcache.cache.observer import KeyLogObserver
-from prefixcache.engine.attention import AttentionMetadata
+from prefixcache.cache.policy import DEFAULT_POLICY
+from prefixcache.cache.validation import check_fits
+from prefixcache.engine.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
+from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.model import LlamaModel
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
 from prefixcache.engine.sampling import SamplingParams, sample
-from prefixcache.engine.scheduler import ScheduledChunk, Scheduler
+from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler
 from prefixcache.engine.scrub import BlockScrubber
+from prefixcache.engine.stopping import append_output, length_reason, stop_reason
 from prefixcache.engine.weights import LoadedModel
-
-DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """Engine knobs; ``num_kv_blocks`` wins over ``kv_cache_bytes`` when both are set."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     cache_aware_scheduling: bool = False
-    eviction_policy: str = "lru"
-    index: str = "hash"
+    eviction_policy: str = DEFAULT_POLICY
+    index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
@@ -68,7 +75,7 @@ class LLMEngine:
             dtype=str(config.dtype).removeprefix("torch."),
             block_size=config.block_size,
         )
-        self.cache = KVCacheManager(
+        self.manager = KVCacheManager(
             self.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
@@ -77,7 +84,7 @@ class LLMEngine:
             index=config.index,
         )
         self.scheduler = Scheduler(
-            self.cache,
+            self.manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             cache_aware=config.cache_aware_scheduling,
@@ -85,7 +92,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seed = config.seed
         self.seconds_per_token: float | None = None
-        self.scrubber = BlockScrubber(self.cache, self.kv_store, config.zero_on_evict)
+        self.scrubber = BlockScrubber(self.manager, self.kv_store, config.zero_on_evict)
         self._key_log = self._open_key_log(config.log_cache_keys)
 
     def _open_key_log(self, path: str | None) -> TextIO | None:
@@ -98,8 +105,14 @@ class LLMEngine:
             log.write(text)
             log.flush()
 
-        self.cache.set_observer(KeyLogObserver(write, self.cache.root_digest))
+        self.manager.set_observer(KeyLogObserver(write, self.manager.root_digest))
         return log
+
+    def close(self) -> None:
+        """Release what the engine holds open (the key log file); safe to call twice."""
+        if self._key_log is not None:
+            self._key_log.close()
+            self._key_log = None
 
     def _blocks_for_bytes(self, budget: int) -> int:
         """How many KV blocks fit in ``budget`` bytes."""
@@ -122,12 +135,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         min_hit_tokens: int = 0,
-        sensitive: bool = False,
+        zero_on_evict: bool = False,
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
-        A cache hit shorter than ``min_hit_tokens`` counts as a miss; a ``sensitive``
-        request's blocks are zeroed before their slots are reused.
+        A cache hit shorter than ``min_hit_tokens`` counts as a miss; with ``zero_on_evict``
+        the request's blocks are zeroed before their slots are reused.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
@@ -135,7 +148,7 @@ class LLMEngine:
         self._check_prompt(prompt_token_ids)
         if not isinstance(min_hit_tokens, int) or min_hit_tokens < 0:
             raise ValueError(f"min_hit_tokens must be an int >= 0, got {min_hit_tokens!r}")
-        if sensitive:
+        if zero_on_evict:
             self.scrubber.activate()
         self._next_seed += 1
         request = Request(
@@ -145,11 +158,10 @@ class LLMEngine:
             cache_salt,
             seed=self._next_seed * 1_000_003,
             min_hit_tokens=min_hit_tokens,
-            sensitive=sensitive,
+            zero_on_evict=zero_on_evict,
+            new_decoder=self.tokenizer.incremental_decoder,
         )
-        for branch in request.branches:
-            branch.decoder = self.tokenizer.incremental_decoder()
-            self.scheduler.add(branch)
+        self.scheduler.add(request.branches[0])
         self.requests[request_id] = request
         return request
 
@@ -166,13 +178,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (including at least 1 generated)"
             )
-        blocks = cdiv(len(prompt) + 1, self.config.block_size)
-        if blocks > self.num_blocks:
-            raise CapacityError(
-                f"the prompt has {len(prompt)} tokens and needs {blocks} KV blocks; the "
-                f"pool has {self.num_blocks} blocks ({self.num_blocks * self.config.block_size}"
-                f" tokens)"
-            )
+        check_fits(len(prompt), self.config.block_size, self.num_blocks, num_generated=1)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is not in the engine."""
@@ -191,33 +197,82 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that advanced, as snapshots."""
+        """One batch: schedule, forward, sample, postprocess; the requests that advanced."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self._before_forward(chunks)
+        logits = self._forward(chunks)
+        branches, tokens = self._sample(chunks, logits)
+        return self._postprocess(branches, tokens)
+
+    def _before_forward(self, chunks: list[ScheduledChunk]) -> None:
+        """Per-request milestones, and zeroing of reused slots before the forward writes."""
         now = time.perf_counter()
         for chunk in chunks:
-            metrics = chunk.branch.request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-            if chunk.start < chunk.branch.request.prompt_length:
-                metrics.num_prefill_tokens += min(
-                    chunk.num_tokens, chunk.branch.request.prompt_length - chunk.start
-                )
-        sampled = [chunk for chunk in chunks if chunk.needs_logits]
-        self.scrubber.zero_reused()  # before this forward writes into reused slots
+            request = chunk.branch.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            if chunk.start < request.prompt_length:
+                prefill = min(chunk.num_tokens, request.prompt_length - chunk.start)
+                request.metrics.num_prefill_tokens += prefill
+        self.scrubber.zero_reused()
         self.scrubber.track(chunks)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """One forward over every scheduled token; logits only where a token is sampled."""
+        batch = ForwardBatch.build(chunks, self.config.block_size)
         started = time.perf_counter()
         try:
-            logits = self._forward(chunks, sampled)
+            with torch.inference_mode():
+                hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_store)
+                logits = (
+                    self.model.compute_logits(hidden[batch.logit_rows]) if batch.sampled else None
+                )
         except Exception:
             self._drop_failed_step()
             raise
-        self._track_speed(sum(c.num_tokens for c in chunks), time.perf_counter() - started)
-        touched = self._accept_all(sampled, logits)
+        self._track_speed(batch.num_tokens, time.perf_counter() - started)
+        return logits
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor | None
+    ) -> tuple[list[Branch], list[int]]:
+        """One token for every branch that reached its last token (forking ``n > 1`` first)."""
+        rows, branches = [], []
+        for row, chunk in enumerate(c for c in chunks if c.needs_logits):
+            group = [chunk.branch] + self._new_forks(chunk.branch)
+            branches += group
+            rows += [row] * len(group)
+        if not branches:
+            return [], []
+        params = [b.request.params for b in branches]
+        assert logits is not None
+        tokens = sample(logits[torch.tensor(rows)], params, [b.generator for b in branches])
+        return branches, tokens
+
+    def _new_forks(self, parent: Branch) -> list[Branch]:
+        """At the first token of an ``n > 1`` request: branches 1..n-1, sharing its blocks."""
+        request = parent.request
+        if parent.index != 0 or request.params.n <= len(request.branches):
+            return []
+        children = request.fork_branches()
+        self.scheduler.add_forks(parent, children)
+        return children
+
+    def _postprocess(self, branches: list[Branch], tokens: list[int]) -> list[RequestOutput]:
+        """Record each token, finish or grow its branch; snapshots of the touched requests."""
+        touched: dict[str, Request] = {}
+        now = time.perf_counter()
+        for branch, token in zip(branches, tokens, strict=True):
+            request = branch.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self._accept_token(branch, token)
+            touched[request.request_id] = request
         self.scrubber.zero_reused()  # appends may have reused slots, copy targets too
-        self.kv_store.copy_blocks(self.cache.pop_pending_copies())
-        return [request.snapshot() for request in touched]
+        self.kv_store.copy_blocks(self.manager.pop_pending_copies())
+        return [request.snapshot() for request in touched.values()]
 
     def _track_speed(self, num_tokens: int, seconds: float) -> None:
         """A moving average of forward seconds per token (to estimate prefill time saved)."""
@@ -230,111 +285,20 @@ class LLMEngine:
         """A forward failed: its committed blocks hold no KV. Abort all, forget the cache."""
         for request_id in list(self.requests):
             self.abort_request(request_id)
-        self.cache.reset()
-
-    def _forward(self, chunks: list[ScheduledChunk], sampled: list[ScheduledChunk]):
-        """One forward over every scheduled token; logits only where a token is sampled."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, context_lens, tables, ends = [], [], [], []
-        for chunk in chunks:
-            seq = chunk.branch.seq
-            end = chunk.start + chunk.num_tokens
-            input_ids += seq.token_ids[chunk.start : end]
-            positions += range(chunk.start, end)
-            query_lens.append(chunk.num_tokens)
-            context_lens.append(end)
-            tables.append(seq.block_table)
-            if chunk.needs_logits:
-                ends.append(len(input_ids) - 1)
-        metadata = AttentionMetadata.build(query_lens, context_lens, tables, self.config.block_size)
-        with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(input_ids), torch.tensor(positions), metadata, self.kv_store
-            )
-            return self.model.compute_logits(hidden[torch.tensor(ends)]) if sampled else None
-
-    def _accept_all(self, sampled: list[ScheduledChunk], logits) -> list[Request]:
-        """Sample every branch that reached its last token; fork ``n > 1`` requests."""
-        touched: dict[str, Request] = {}
-        rows, branches = [], []
-        for row, chunk in enumerate(sampled):
-            branch = chunk.branch
-            branches.append(branch)
-            rows.append(row)
-            if branch.index == 0 and branch.request.params.n > len(branch.request.branches):
-                for child in self._fork_children(branch):
-                    branches.append(child)
-                    rows.append(row)
-        if not branches:
-            return []
-        params = [b.request.params for b in branches]
-        tokens = sample(logits[torch.tensor(rows)], params, [b.generator for b in branches])
-        now = time.perf_counter()
-        for branch, token in zip(branches, tokens, strict=True):
-            request = branch.request
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            self._accept_token(branch, token)
-            touched[request.request_id] = request
-        return list(touched.values())
-
-    def _fork_children(self, parent: Branch) -> list[Branch]:
-        """Branches 1..n-1 share the parent's prompt blocks (copy-on-write tail)."""
-        request = parent.request
-        children = []
-        for index in range(1, request.params.n):
-            child = Branch(request, index)
-            child.decoder = self.tokenizer.incremental_decoder()
-            child.seq = self.cache.fork(parent.seq, child.id)
-            request.branches.append(child)
-            self.scheduler.running.append(child)
-            children.append(child)
-        return children
+        self.manager.reset()
 
     def _accept_token(self, branch: Branch, token: int) -> None:
         """Record a sampled token; finish the branch or give it room for the next one."""
-        reason = self._stop_reason(branch, token)
+        reason = stop_reason(branch, token, self.tokenizer.eos_token_ids)
         if reason is None:  # a stop token is not part of the output
-            branch.output.token_ids.append(token)
-            new_text = branch.decoder.push(token)
-            branch.output.text += new_text
-            if self._cut_at_stop_string(branch.output, len(new_text), branch.request.params):
+            if append_output(branch, token):
                 self._finish_branch(branch, FinishReason.STOP, flush=False)
                 return
-            reason = self._length_reason(branch)
+            reason = length_reason(branch, self.max_model_len)
         if reason is not None:
             self._finish_branch(branch, reason)
-        elif branch.seq is not None:
-            self._append_or_preempt(branch, token)
-
-    def _stop_reason(self, branch: Branch, token: int) -> FinishReason | None:
-        params = branch.request.params
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return FinishReason.STOP
-        return None
-
-    @staticmethod
-    def _cut_at_stop_string(output, new_chars: int, params: SamplingParams) -> bool:
-        """Truncate the text before the first stop string that the new text completed."""
-        for stop in params.stop:
-            cut = output.text.find(stop, max(0, len(output.text) - new_chars - len(stop) + 1))
-            if cut != -1:
-                output.text = output.text[:cut]
-                return True
-        return False
-
-    def _length_reason(self, branch: Branch) -> FinishReason | None:
-        """LENGTH once max_tokens or the model's context is reached."""
-        request = branch.request
-        generated = len(branch.output.token_ids)
-        if generated >= request.params.max_tokens:
-            return FinishReason.LENGTH
-        if request.prompt_length + generated >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        elif branch.seq is not None and self.scheduler.append_token(branch, token) is Room.NONE:
+            self._finish_branch(branch, FinishReason.LENGTH)
 
     def _finish_branch(self, branch: Branch, reason: FinishReason, flush: bool = True) -> None:
         """Mark a completion done, free its blocks, and retire the request when all are."""
@@ -346,13 +310,3 @@ class LLMEngine:
         if request.finished and request.params.n == len(request.branches):
             request.metrics.finished_time = time.perf_counter()
             self.requests.pop(request.request_id, None)
-
-    def _append_or_preempt(self, branch: Branch, token: int) -> None:
-        """Make room for the new token, preempting the newest running branches if needed."""
-        while not self.cache.append(branch.seq, [token]):
-            victim = self.scheduler.preempt_last()
-            if victim is branch:
-                if not self.scheduler.running:  # alone and still no room: it cannot grow
-                    self.scheduler.waiting.remove(branch)
-                    self._finish_branch(branch, FinishReason.LENGTH)
-                return

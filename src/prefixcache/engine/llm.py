@@ -23,6 +23,16 @@ class LLM:
         self.engine = LLMEngine(loaded, EngineConfig(**engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Close what the engine holds open (the key log file)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

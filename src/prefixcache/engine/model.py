@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +17,9 @@ from prefixcache.engine.kv_store import KVStore
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def _param(*shape: int, dtype: torch.dtype, device: str = "cpu") -> nn.Parameter:
     """An uninitialised, frozen weight."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,19 +58,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DecoderLayer(nn.Module):
     """Pre-norm attention and SwiGLU MLP, with q/k/v and gate/up fused into one matmul each."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> None:
         super().__init__()
         c = config
+        param = partial(_param, dtype=dtype, device=device)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim**-0.5
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self.qkv_proj = _param(qkv_rows, c.hidden_size, dtype=dtype)
-        self.o_proj = _param(c.hidden_size, c.num_heads * c.head_dim, dtype=dtype)
-        self.gate_up_proj = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
-        self.down_proj = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
-        self.input_layernorm = _param(c.hidden_size, dtype=dtype)
-        self.post_attention_layernorm = _param(c.hidden_size, dtype=dtype)
+        self.qkv_proj = param(qkv_rows, c.hidden_size)
+        self.o_proj = param(c.hidden_size, c.num_heads * c.head_dim)
+        self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
+        self.down_proj = param(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = param(c.hidden_size)
+        self.post_attention_layernorm = param(c.hidden_size)
 
     def forward(
         self,
@@ -109,16 +111,21 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack; `forward` returns final-normed hidden states, `compute_logits` the rest."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
-        self.norm = _param(config.hidden_size, dtype=dtype)
+        param = partial(_param, dtype=dtype, device=device)
+        self.embed_tokens = param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = param(config.hidden_size)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.lm_head = param(config.vocab_size, config.hidden_size)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings)
 
     @torch.inference_mode()
@@ -144,16 +151,17 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face Llama-named tensors in; ValueError lists every mismatch first."""
-        targets = self._weight_targets()
-        problems = _check_names(targets, state_dict, self.lm_head is None)
+        targets = self.weight_targets()
+        shapes = {name: tuple(target.shape) for name, target in targets.items()}
+        problems = tensor_problems(shapes, state_dict)
         if problems:
             raise ValueError("cannot load weights: " + "; ".join(problems))
         with torch.no_grad():
             for name, target in targets.items():
                 target.copy_(torch.as_tensor(state_dict[name]))
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF tensor name -> the (view of the) parameter it fills."""
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the (view of the) parameter it fills: the model's tensor mapping."""
         targets = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
         if self.lm_head is not None:
             targets["lm_head.weight"] = self.lm_head
@@ -182,26 +190,41 @@ def _layer_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
     }
 
 
-def _check_names(
-    targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], tied: bool
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a checkpoint for ``config`` holds, with its shape (from the model)."""
+    targets = LlamaModel(config, device="meta").weight_targets()
+    return {name: tuple(target.shape) for name, target in targets.items()}
+
+
+def tensor_problems(
+    expected: Mapping[str, tuple[int, ...]], state_dict: Mapping[str, torch.Tensor]
 ) -> list[str]:
-    """Missing, unexpected and mis-shaped tensors, one message per kind."""
-    allowed = set(targets) | ({"lm_head.weight"} if tied else set())
-    missing = sorted(set(targets) - set(state_dict))
+    """Missing, unexpected and mis-shaped tensors, one message per kind.
+
+    A tied model ignores a checkpoint's ``lm_head.weight``; old exports' RoPE tables too.
+    """
+    allowed = set(expected) | {"lm_head.weight"}
+    missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(
         n for n in state_dict if n not in allowed and not n.endswith(_IGNORED_SUFFIXES)
     )
     misshaped = [
-        f"{n} {tuple(state_dict[n].shape)} != {tuple(t.shape)}"
-        for n, t in targets.items()
-        if n in state_dict and tuple(state_dict[n].shape) != tuple(t.shape)
+        f"{n} has shape {tuple(state_dict[n].shape)}, expected {shape}"
+        for n, shape in expected.items()
+        if n in state_dict and tuple(state_dict[n].shape) != shape
     ]
     problems = []
     for kind, names in (
-        ("missing", missing),
-        ("unexpected", unexpected),
-        ("mis-shaped", misshaped),
+        ("missing tensors", missing),
+        ("unexpected tensors", unexpected),
+        ("mis-shaped tensors", misshaped),
     ):
         if names:
-            problems.append(f"{kind}: {', '.join(names)}")
+            problems.append(f"{kind} {short_list(names)}")
     return problems
+
+
+def short_list(names: list[str], limit: int = 8) -> str:
+    """At most ``limit`` names, then how many more."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from prefixcache.cache import Sequence
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling import SamplingParams, make_generator
+from prefixcache.engine.tokenizer import IncrementalDecoder
 
 
 class FinishReason(enum.StrEnum):
@@ -80,19 +80,30 @@ class Request:
         cache_salt: str | None = None,
         seed: int = 0,
         min_hit_tokens: int = 0,
-        sensitive: bool = False,
+        zero_on_evict: bool = False,
+        new_decoder: Callable[[], IncrementalDecoder] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.cache_salt = cache_salt
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
-        self.sensitive = sensitive  # zero its blocks before their slots are reused
+        self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_cached_tokens: int | None = None  # at first admission
-        self.branches: list[Branch] = [Branch(self, 0)]
+        self._new_decoder = new_decoder  # None: token ids only (scheduler tests)
+        self.branches: list[Branch] = [Branch(self, 0, self._decoder())]
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
+
+    def fork_branches(self) -> list[Branch]:
+        """Branches 1..n-1, made when branch 0 samples its first token (they share its KV)."""
+        children = [Branch(self, i, self._decoder()) for i in range(1, self.params.n)]
+        self.branches += children
+        return children
+
+    def _decoder(self) -> IncrementalDecoder | None:
+        return self._new_decoder() if self._new_decoder else None
 
     @property
     def prompt_length(self) -> int:
@@ -121,15 +132,15 @@ class Request:
 class Branch:
     """One completion being generated: the scheduler's unit of work."""
 
-    def __init__(self, request: Request, index: int) -> None:
+    def __init__(self, request: Request, index: int, decoder: IncrementalDecoder | None) -> None:
         self.request = request
         self.index = index
+        self.decoder = decoder  # token ids -> text, one token at a time
         self.seq: Sequence | None = None  # cache-side blocks, while admitted
-        self.generator = torch.Generator().manual_seed(request.seed + index)
+        self.generator = make_generator(request.seed + index)
         self.arrival = 0  # FCFS position, set by the scheduler
         self.passed_over = 0  # times a later arrival was admitted first
         self.num_preemptions = 0
-        self.decoder = None  # the tokenizer's incremental decoder, set by the engine
 
     @property
     def id(self) -> str:

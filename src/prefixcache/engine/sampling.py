@@ -6,12 +6,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_N = 16  # completions per request
+MAX_TEMPERATURE = 2.0  # OpenAI's range; hotter is noise
+MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 2**63 - 1
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature=0`` is greedy."""
+    """How to pick tokens and when to stop. ``temperature=0`` is greedy.
+
+    The limits above are the only ones: the server's request schemas read them.
+    """
 
     n: int = 1
     max_tokens: int = 16
@@ -31,11 +37,11 @@ class SamplingParams:
     def validate(self) -> None:
         """ValueError naming the first field outside its range."""
         checks = [
-            (1 <= self.n <= 16, f"n must be in [1, 16], got {self.n}"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (
-                0.0 <= self.temperature <= 100.0,
-                f"temperature must be in [0, 100], got {self.temperature}",
+                0.0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
             ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0: no limit), got {self.top_k}"),
@@ -44,8 +50,9 @@ class SamplingParams:
                 f"seed must be in [0, {MAX_SEED}], got {self.seed}",
             ),
             (
-                len(self.stop) <= 8 and all(isinstance(s, str) and s for s in self.stop),
-                "stop must be at most 8 non-empty strings",
+                len(self.stop) <= MAX_STOP_STRINGS
+                and all(isinstance(s, str) and s for s in self.stop),
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings",
             ),
             (
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

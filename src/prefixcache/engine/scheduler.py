@@ -11,12 +11,21 @@ with one system prompt, sent at once, prefill it once.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.engine.request import Branch
+
+
+class Room(enum.Enum):
+    """What ``append_token`` did for a branch's next token."""
+
+    APPENDED = "appended"
+    PREEMPTED = "preempted"
+    NONE = "none"  # not even a pool to itself holds it
 
 
 @dataclass(slots=True)
@@ -60,9 +69,6 @@ class Scheduler:
         self._arrivals += 1
         branch.arrival = self._arrivals
         self.waiting.append(branch)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next step's batch; commits its tokens to the cache before it runs."""
@@ -139,6 +145,24 @@ class Scheduler:
         return self.manager.match(
             branch.token_ids, request.cache_salt, min_hit_tokens=request.min_hit_tokens
         )
+
+    def add_forks(self, parent: Branch, children: list[Branch]) -> None:
+        """Run ``children`` beside ``parent``, sharing its blocks (copy-on-write tail)."""
+        assert parent.seq is not None
+        for child in children:
+            child.seq = self.manager.fork(parent.seq, child.id)
+            self.running.append(child)
+
+    def append_token(self, branch: Branch, token: int) -> Room:
+        """Give ``token`` a KV slot, preempting the newest running branches while needed."""
+        assert branch.seq is not None
+        while not self.manager.append(branch.seq, [token]):
+            if self.preempt_last() is branch:
+                if self.running:
+                    return Room.PREEMPTED  # it waits, to be recomputed
+                self.waiting.remove(branch)  # alone and still no room: it can never grow
+                return Room.NONE
+        return Room.APPENDED
 
     def preempt_last(self) -> Branch:
         """Free the most recently admitted running branch; it will be recomputed."""

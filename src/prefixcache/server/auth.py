@@ -17,8 +17,10 @@ from pathlib import Path
 
 LOCAL_TENANT = "local"
 KEY_FILE_FORMAT = (
-    '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_shared_tokens", "sensitive"}]}'
+    '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_hit_tokens", "zero_on_evict"}]}'
 )
+TENANT_FIELDS = ("name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict")
+RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
 
 
 class AuthError(Exception):
@@ -32,8 +34,8 @@ class Tenant:
     name: str
     admin: bool = False
     no_reuse: bool = False  # never reuse any prefix, not even its own
-    min_shared_tokens: int = 0  # a hit counts only if at least this many tokens are shared
-    sensitive: bool = False  # zero its KV blocks before their slots are reused
+    min_hit_tokens: int = 0  # a hit counts only if at least this many tokens are shared
+    zero_on_evict: bool = False  # zero its KV blocks before their slots are reused
 
 
 class Tenants:
@@ -54,13 +56,7 @@ class Tenants:
             entries = json.loads(Path(path).read_text())["tenants"]
             tenants = {}
             for entry in entries:
-                tenant = Tenant(
-                    name=str(entry["name"]),
-                    admin=bool(entry.get("admin", False)),
-                    no_reuse=bool(entry.get("no_reuse", False)),
-                    min_shared_tokens=_non_negative(entry.get("min_shared_tokens", 0)),
-                    sensitive=bool(entry.get("sensitive", False)),
-                )
+                tenant = _tenant(entry)
                 for key in entry["keys"]:
                     tenants[_digest(key)] = tenant
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -89,10 +85,29 @@ class Tenants:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
 
+def _tenant(entry: dict) -> Tenant:
+    """One tenant entry; an unknown field is an error (a misspelt setting must not vanish)."""
+    unknown = sorted(set(entry) - set(TENANT_FIELDS))
+    if unknown:
+        hints = [
+            f"{name} (now {RENAMED_FIELDS[name]})" for name in unknown if name in RENAMED_FIELDS
+        ]
+        raise ValueError(
+            f"unknown tenant fields {unknown}{'; renamed: ' + ', '.join(hints) if hints else ''}"
+        )
+    return Tenant(
+        name=str(entry["name"]),
+        admin=bool(entry.get("admin", False)),
+        no_reuse=bool(entry.get("no_reuse", False)),
+        min_hit_tokens=_non_negative(entry.get("min_hit_tokens", 0)),
+        zero_on_evict=bool(entry.get("zero_on_evict", False)),
+    )
+
+
 def _non_negative(value: object) -> int:
-    """An integer >= 0 (``min_shared_tokens``); ValueError otherwise."""
+    """An integer >= 0 (``min_hit_tokens``); ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"min_shared_tokens must be an integer >= 0, got {value!r}")
+        raise ValueError(f"min_hit_tokens must be an integer >= 0, got {value!r}")
     return value
 
 

@@ -7,7 +7,15 @@ import logging
 import sys
 
 from prefixcache.argtypes import positive_int
-from prefixcache.cache.policy import POLICY_NAMES
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
+from prefixcache.cache.index import DEFAULT_INDEX, INDEX_NAMES
+from prefixcache.cache.policy import DEFAULT_POLICY, POLICY_NAMES
+from prefixcache.engine.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
+from prefixcache.server.limits import DEFAULT_MAX_PENDING
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -22,23 +30,25 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     size.add_argument(
         "--kv-cache-bytes",
         type=positive_int,
-        default=2 * 2**30,
-        help="KV pool size in bytes (default 2 GiB)",
+        default=DEFAULT_KV_CACHE_BYTES,
+        help=f"KV pool size in bytes (default {DEFAULT_KV_CACHE_BYTES / 2**30:g} GiB)",
     )
-    serve.add_argument("--block-size", type=positive_int, default=16)
-    serve.add_argument("--max-num-seqs", type=positive_int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    serve.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
+    serve.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
+    serve.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
     serve.add_argument(
         "--max-pending",
         type=positive_int,
-        default=256,
+        default=DEFAULT_MAX_PENDING,
         help="requests in flight before new ones get HTTP 429",
     )
     serve.add_argument("--api-key-file", help="JSON file of tenants and their API keys")
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--cache-aware-scheduling", action="store_true")
-    serve.add_argument("--eviction-policy", default="lru", choices=POLICY_NAMES)
-    serve.add_argument("--index", default="hash", choices=("hash", "radix"))
+    serve.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=POLICY_NAMES)
+    serve.add_argument("--index", default=DEFAULT_INDEX, choices=INDEX_NAMES)
     serve.add_argument(
         "--log-cache-keys",
         metavar="PATH",
@@ -47,7 +57,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--zero-on-evict",
         action="store_true",
-        help='zero every block\'s K/V before its slot is reused (per tenant: "sensitive")',
+        help='zero every block\'s K/V before its slot is reused (per tenant: "zero_on_evict")',
     )
 
 

@@ -22,7 +22,8 @@ class CacheCollector:
         self.engine = engine
 
     def collect(self):
-        stats, cache = self.engine.cache.stats, self.engine.cache
+        manager = self.engine.manager
+        stats = manager.stats
         counters = [
             (
                 "prefix_cache_queries_tokens",
@@ -41,10 +42,10 @@ class CacheCollector:
         for name, documentation, value in counters:
             yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
         gauges = [
-            ("kv_usage_ratio", "Share of KV blocks held by live requests", cache.usage),
-            ("kv_free_blocks", "KV blocks with refcount 0", cache.num_free_blocks),
+            ("kv_usage_ratio", "Share of KV blocks held by live requests", manager.usage),
+            ("kv_free_blocks", "KV blocks with refcount 0", manager.num_free_blocks),
             ("kv_free_blocks_low_watermark", "Fewest free KV blocks seen", stats.min_free_blocks),
-            ("kv_blocks", "KV blocks in the pool", cache.num_blocks),
+            ("kv_blocks", "KV blocks in the pool", manager.num_blocks),
             ("requests_running", "Branches running", len(self.engine.scheduler.running)),
             ("requests_waiting", "Branches waiting", len(self.engine.scheduler.waiting)),
         ]

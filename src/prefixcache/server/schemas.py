@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from prefixcache.engine.sampling import MAX_N, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
+
 UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
@@ -47,13 +49,13 @@ class SamplingFields(BaseModel):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=16)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     user: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
@@ -62,8 +64,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("stop must be at most 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
     def unsupported_field(self) -> str | None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prefixcache.argtypes import positive_int
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import INDEX_NAMES
 from prefixcache.cache.policy import POLICY_NAMES
 from prefixcache.sim.replay import Progress
@@ -57,7 +58,7 @@ def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
         "--format", dest="trace_format", choices=["auto", "mooncake", "tokens"], default="auto"
     )
     parser.add_argument(
-        "--block-size", type=positive_int, default=16,
+        "--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
         help="tokens per block for token-id traces (Mooncake blocks are 512 tokens)",
     )  # fmt: skip
 

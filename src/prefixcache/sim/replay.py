@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from prefixcache.cache import KVCacheManager
-from prefixcache.cache.manager import cdiv
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.sim.traces import MooncakeRequest, TokenRequest, Trace
 
 Progress = Callable[[int], None]
@@ -69,7 +69,7 @@ def replay(
     policy: str = "lru",
     index: str = "hash",
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` at ``capacity`` blocks; ``block_size`` applies to token traces only."""
@@ -144,7 +144,7 @@ def _replay_tokens(
         counts[1] += hit
 
 
-def check_capacity(trace: Trace, capacity: int, block_size: int = 16) -> None:
+def check_capacity(trace: Trace, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """ValueError unless every prompt fits in ``capacity`` blocks."""
     if trace.kind == "mooncake":
         largest = max((len(r.hash_ids) for r in trace.requests), default=0)
@@ -154,7 +154,9 @@ def check_capacity(trace: Trace, capacity: int, block_size: int = 16) -> None:
         raise ValueError(f"capacity {capacity} is below the largest request ({largest} blocks)")
 
 
-def block_references(trace: Trace, capacity: int, block_size: int = 16) -> list[list[int]]:
+def block_references(
+    trace: Trace, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> list[list[int]]:
     """Each request's cached blocks as prefix-chained ids: the input of the optimum.
 
     Mooncake: the hash ids themselves. Token traces: an id per full block of prompt and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.sim.belady import belady_hits, infinite_hits
 from prefixcache.sim.replay import Progress, ReplayResult, block_references, replay
 from prefixcache.sim.traces import Trace
@@ -58,7 +59,7 @@ def run_sweep(
     policies: list[str],
     indexes: list[str],
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     optimum: bool = True,
     progress: Progress | None = None,
 ) -> SweepReport:

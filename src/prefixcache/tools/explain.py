@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 
 from prefixcache.cache import KVCacheManager, Namespace
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.hashing import get_hash_function, namespace_digest
-from prefixcache.cache.manager import cdiv
 from prefixcache.tools.request_file import (
     InputError,
     RequestSpec,
@@ -25,7 +25,6 @@ from prefixcache.tools.request_file import (
 )
 from prefixcache.tools.text_diff import common_prefix, text_notes
 
-DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size (not imported: it would load torch)
 WINDOW = 6  # tokens shown on each side of the first difference
 
 
@@ -56,7 +55,10 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("a", help="JSON request cached first: token_ids, prompt or messages")
     parser.add_argument("b", help="JSON request looked up second")
     parser.add_argument(
-        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block (default 16)"
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per block (default {DEFAULT_BLOCK_SIZE})",
     )
     parser.add_argument("--model", help="GGUF file or HF folder for the tokenizer (default model)")
     parser.add_argument(

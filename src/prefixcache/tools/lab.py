@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefixcache.cache import KVCacheManager
-from prefixcache.cache.manager import cdiv
+from prefixcache.cache.common import cdiv
 
 BASE = list(range(1, 13))
 SAME_PREFIX = list(range(1, 9)) + [90, 91, 92, 93]

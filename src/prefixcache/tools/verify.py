@@ -14,6 +14,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.tools.request_file import InputError
 
 DTYPES = ("float64", "float32")
@@ -23,7 +24,7 @@ DTYPES = ("float64", "float32")
 class VerifyOptions:
     """How to build the two engines."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     tiny_pool: bool = False
     dtype: str = "float64"
     zero_on_evict: bool = False
@@ -51,7 +52,7 @@ def add_verify_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--requests", type=int, default=12, help="built-in workload size")
     parser.add_argument("--max-tokens", type=int, default=8, help="built-in: most per request")
     parser.add_argument("--seed", type=int, default=0, help="built-in workload seed")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--dtype", choices=DTYPES, default="float64")
     parser.add_argument(
         "--tiny-pool", action="store_true", help="a pool just above the largest request"
@@ -160,7 +161,7 @@ def run_pass(engine, workload) -> RunResult:
             result.outputs[output.request_id] = [o.token_ids for o in output.outputs]
             result.prompt_tokens += len(output.prompt_token_ids)
             result.cached_tokens += output.num_cached_tokens
-    result.evictions = engine.cache.stats.evictions
+    result.evictions = engine.manager.stats.evictions
     result.preemptions = engine.scheduler.num_preemptions
     result.pool_problem = pool_problem(engine)
     return result
@@ -175,7 +176,7 @@ def _run_to_completion(engine) -> list:
 
 def pool_problem(engine) -> str | None:
     """None if no request is left, every block is free and the invariants hold."""
-    cache = engine.cache
+    cache = engine.manager
     if engine.requests or cache.num_free_blocks != cache.num_blocks:
         return f"{cache.num_blocks - cache.num_free_blocks} blocks still held"
     try:

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixcache.cache.manager import cdiv
+from prefixcache.cache.common import cdiv
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.tools.request_file import InputError, parse_request, tokenize
 
