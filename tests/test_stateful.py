@@ -4,6 +4,8 @@ Every commit writes the sequence's token ids into ``shadow[(block id, slot)]``, 
 engine writes K/V. After every step each live sequence must read back exactly its own
 computed tokens through its block table: a block evicted while in use, a stale mapping,
 a shared block written without copy-on-write, all show up as another request's tokens.
+The machine also subscribes to the KV events: the digests they add and remove must always
+be exactly those of the pool's indexed blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hypothesis.stateful import (
 
 from prefixcache import CapacityError, KVCacheManager
 from prefixcache.cache.common import cdiv
+from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 BASES = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
@@ -55,6 +58,17 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.shadow: dict[tuple[int, int], int] = {}
         self.next_id = 0
+        self.event_digests: set[bytes] = set()  # what a subscriber believes is cached
+        self.manager.set_event_sink(self._on_event)
+
+    def _on_event(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.event_digests.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self.event_digests.difference_update(event.block_hashes)
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            self.event_digests.clear()
 
     def _new_id(self) -> str:
         self.next_id += 1
@@ -135,6 +149,11 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def pool_invariants_hold(self):
         self.manager.check_invariants()
+
+    @invariant()
+    def events_rebuild_the_indexed_digests(self):
+        indexed = {block.digest for block in self.manager.pool.cached.values()}
+        assert self.event_digests == indexed
 
     def teardown(self):
         for seq in list(self.manager.sequences.values()):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.events import BlockRemoved
 from prefixcache.cache.hashing import ROOT_UID
 from prefixcache.cache.index import HashIndex, PrefixIndex
 from prefixcache.cache.stats import CacheStats
 
 if TYPE_CHECKING:
+    from prefixcache.cache.events import EventSink
     from prefixcache.cache.policy import EvictionPolicy
 
 
@@ -94,6 +97,12 @@ class BlockPool:
 
     Eviction is lazy: a freed block keeps its key and stays matchable until it is
     popped for reuse; only then is its mapping removed and its identity cleared.
+
+    A block committed with content that is already indexed is a duplicate: same uid and
+    digest, no key, listed in ``duplicates`` while it is held. When the indexed copy is
+    evicted, a held duplicate is promoted in its place, so content stays matchable while
+    any copy of it is live. A freed duplicate drops its identity at once (it can never
+    match, and no stale uid survives for a remembered path to trust).
     """
 
     def __init__(
@@ -105,6 +114,10 @@ class BlockPool:
         self.stats = stats
         self._next_uid = ROOT_UID + 1
         self.reused: list[int] | None = None  # ids handed out, when the engine asks to know
+        self.duplicates: dict[int, list[Block]] = {}  # uid -> held key-less copies of it
+        self.removal_sink: EventSink | None = None
+        self.indexed_digests: Counter[bytes] | None = None  # indexed copies, while reporting
+        self._reporting = False  # store and _forget are wrapped (report_removals)
 
     def observe_evictions(self, hook: Callable[[Block], None]) -> None:
         """Call ``hook(block)`` before each eviction clears the block's identity.
@@ -119,6 +132,44 @@ class BlockPool:
             forget(block)
 
         self._forget = forget_observed
+
+    def report_removals(self, sink: EventSink | None) -> None:
+        """Send ``BlockRemoved`` to ``sink`` when the last indexed copy of a digest leaves.
+
+        The first sink wraps ``store`` and ``_forget`` on this instance (a pool that never
+        reports pays nothing); None stops reporting (the wrappers stay, idle). Digests are
+        counted, not uids: an orphan left indexed below an evicted parent has the digest
+        its recomputation gets, so one digest can be indexed twice.
+        """
+        if sink is not None and not self._reporting:
+            self._install_reporting()
+        self.removal_sink = sink
+        self.indexed_digests = None
+        if sink is not None:
+            self.indexed_digests = Counter(block.digest for block in self.cached.values())
+
+    def _install_reporting(self) -> None:
+        """Wrap ``store`` (count new mappings) and ``_forget`` (report the last copy)."""
+        store, forget = self.store, self._forget
+        self._reporting = True
+
+        def store_counted(block: Block, key: tuple, digest: bytes) -> int:
+            uid = store(block, key, digest)
+            if block.key is not None and self.indexed_digests is not None:
+                self.indexed_digests[digest] += 1
+            return uid
+
+        def forget_reported(block: Block) -> None:
+            counts, digest = self.indexed_digests, block.digest
+            last = block.key is not None and block.uid not in self.duplicates
+            forget(block)
+            if last and counts is not None:
+                counts[digest] -= 1
+                if not counts[digest]:
+                    del counts[digest]
+                    self.removal_sink(BlockRemoved([digest]))
+
+        self.store, self._forget = store_counted, forget_reported
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,11 +193,33 @@ class BlockPool:
         return taken
 
     def _forget(self, block: Block) -> None:
-        """Drop the block's mapping and identity before its slot is reused."""
+        """Drop the block's mapping (or hand it to a held duplicate) and identity before reuse."""
         if block.key is not None:
-            del self.cached[block.key]
+            duplicates = self.duplicates
+            if duplicates and block.uid in duplicates:
+                self._promote(block)
+            else:
+                del self.cached[block.key]
             block.key = None
             self.stats.evictions += 1
+        block.uid = 0
+        block.digest = None
+
+    def _promote(self, block: Block) -> None:
+        """Make a held duplicate the indexed copy in ``block``'s place: same uid, same key."""
+        copies = self.duplicates[block.uid]
+        heir = copies.pop()
+        if not copies:
+            del self.duplicates[block.uid]
+        heir.key = block.key
+        self.cached.replace(heir)
+
+    def _drop_duplicate(self, block: Block) -> None:
+        """A duplicate nobody holds any more: unlist it and clear its identity."""
+        copies = self.duplicates[block.uid]
+        copies.remove(block)
+        if not copies:
+            del self.duplicates[block.uid]
         block.uid = 0
         block.digest = None
 
@@ -188,10 +261,12 @@ class BlockPool:
         tail.prev_free = last
         queue.size += linked
         for block in empties:
+            if block.uid:  # a duplicate
+                self._drop_duplicate(block)
             queue.appendleft(block)
 
     def store(self, block: Block, key: tuple, digest: bytes) -> int:
-        """Record ``block`` as holding ``key``; a duplicate keeps the indexed copy's uid."""
+        """Record held ``block`` as holding ``key``; a duplicate takes the indexed copy's uid."""
         existing = self.cached.get(key)
         if existing is None:
             uid = self._next_uid
@@ -202,6 +277,7 @@ class BlockPool:
             self.stats.stored_blocks += 1
         else:
             uid = existing.uid
+            self.duplicates.setdefault(uid, []).append(block)
             self.stats.duplicate_blocks += 1
         block.uid = uid
         block.digest = digest
@@ -215,6 +291,9 @@ class BlockPool:
             block.uid = 0
             block.digest = None
         self.cached.clear()
+        self.duplicates.clear()
+        if self.indexed_digests is not None:
+            self.indexed_digests.clear()
         return dropped
 
 
@@ -270,6 +349,8 @@ class PolicyBlockPool(BlockPool):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.key is None:
+                    if block.uid:  # a duplicate
+                        self._drop_duplicate(block)
                     self.free_queue.appendleft(block)
                 else:
                     cached.append(block)

@@ -39,6 +39,9 @@ class PrefixIndex(Protocol):
     def get(self, key: tuple, default: None = None) -> Block | None:
         """The indexed block holding ``key``, or None."""
 
+    def replace(self, heir: Block) -> None:
+        """Make ``heir`` (same key and uid as the indexed copy) the indexed copy, in place."""
+
     def __setitem__(self, key: tuple, block: Block) -> None:
         """Index ``block`` (whose uid is already set) under a key not yet present."""
 
@@ -96,6 +99,10 @@ class HashIndex(dict):
             hits.append(block)
             uids.append(parent)
         return PrefixMatch(hits, uids)
+
+    def replace(self, heir: Block) -> None:
+        """Make ``heir`` (same key and uid as the indexed copy) the indexed copy."""
+        self[heir.key] = heir
 
     def check(self) -> None:
         """A dict has no structure beyond what the pool-level checks already verify."""

@@ -18,6 +18,8 @@ def check(manager: KVCacheManager) -> None:
     free_ids = _check_free_queue(manager)
     _check_refcounts(manager, free_ids)
     _check_index(manager)
+    _check_duplicates(manager)
+    _check_event_counts(manager)
     for seq in manager.sequences.values():
         _check_sequence(manager, seq)
 
@@ -96,6 +98,38 @@ def _check_index(manager: KVCacheManager) -> None:
             require(cached.get(block.key) is block, f"rule 8: {block} keyed but unmapped")
         if block.uid == 0:
             require(block.digest is None, f"rule 8: {block} has a digest but no identity")
+
+
+def _check_duplicates(manager: KVCacheManager) -> None:
+    """The registry lists exactly the held key-less copies of indexed content, once each."""
+    pool = manager.pool
+    indexed = {block.uid for block in pool.cached.values()}
+    listed: set[int] = set()
+    for uid, copies in pool.duplicates.items():
+        require(copies, f"rule 8: an empty duplicate list for uid {uid}")
+        require(uid in indexed, f"rule 8: duplicates of uid {uid}, whose content is not indexed")
+        for block in copies:
+            require(
+                block.uid == uid and block.key is None,
+                f"rule 8: {block} is listed as a duplicate of uid {uid} but is not one",
+            )
+            require(block.ref_cnt > 0, f"rule 8: free {block} is still listed as a duplicate")
+            require(block.block_id not in listed, f"rule 8: {block} is listed twice")
+            listed.add(block.block_id)
+    for block in pool.blocks:
+        if block.uid and block.key is None:
+            require(
+                block.block_id in listed,
+                f"rule 8: {block} holds an identity but is neither indexed nor a duplicate",
+            )
+
+
+def _check_event_counts(manager: KVCacheManager) -> None:
+    """While events are reported, the per-digest counts are exactly the index's."""
+    counts = manager.pool.indexed_digests
+    if counts is not None:
+        actual = Counter(block.digest for block in manager.pool.cached.values())
+        require(counts == actual, "events: indexed digest counts disagree with the index")
 
 
 def _check_sequence(manager: KVCacheManager, seq: Sequence) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prefixcache.cache import integrity
 from prefixcache.cache.block_pool import Block, BlockPool, PolicyBlockPool
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, cdiv
+from prefixcache.cache.events import MEDIUM_POOL, AllBlocksCleared, BlockStored
 from prefixcache.cache.hashing import (
     ROOT_UID,
     Extras,
@@ -33,6 +34,7 @@ from prefixcache.cache.validation import (
 )
 
 if TYPE_CHECKING:
+    from prefixcache.cache.events import EventSink
     from prefixcache.cache.observer import CacheObserver
 
 
@@ -43,6 +45,9 @@ class KVCacheManager:
     allocation, so an admission that fails changes nothing and a request never evicts
     the prefix it has just found.
     """
+
+    _event_sink: EventSink | None = None  # see set_event_sink
+    _event_token_ids = False
 
     def __init__(
         self,
@@ -85,6 +90,16 @@ class KVCacheManager:
         """Report every admission, free and eviction to ``observer`` (debug logging)."""
         self.observer = observer
         self.pool.observe_evictions(observer.evicted)
+
+    def set_event_sink(self, sink: EventSink | None, *, token_ids: bool = False) -> None:
+        """Report KV events to ``sink`` (None: stop); token ids, prompt text, only if asked.
+
+        ``BlockStored`` when content becomes matchable, ``BlockRemoved`` when its last
+        indexed copy leaves the pool, ``AllBlocksCleared`` on ``reset``.
+        """
+        self._event_sink = sink
+        self._event_token_ids = token_ids
+        self.pool.report_removals(sink)
 
     def record_reused_blocks(self) -> None:
         """From now on, remember every block id handed out (see ``pop_reused_blocks``)."""
@@ -132,6 +147,27 @@ class KVCacheManager:
         found = self._walk(token_bytes, max_blocks, extras)
         num_hit_tokens = len(found.blocks) * self.block_size
         return num_hit_tokens if num_hit_tokens >= min_hit_tokens else 0
+
+    def prompt_digests(
+        self,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_items: SequenceOf[MultiModalItem] = (),
+    ) -> list[bytes]:
+        """Portable digests of the prompt's reusable full blocks (rule 10's cap applied).
+
+        What a second tier is asked for: the same chain every process computes.
+        """
+        token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        digests, parent = [], self.root_digest
+        step = self.block_size * TOKEN_BYTES
+        for index in range(num_blocks):
+            chunk = token_bytes[index * step : (index + 1) * step]
+            parent = block_digest(parent, chunk, extras.get(index, ()), self._hash_fn)
+            digests.append(parent)
+        return digests
 
     # -------------------------------------------------------------- lifecycle
     def admit(
@@ -193,9 +229,29 @@ class KVCacheManager:
             seq.num_computed_tokens = num_tokens
         full = seq.num_computed_tokens // self.block_size
         if full > seq.num_stored_blocks and self.enable_caching:
-            for index in range(seq.num_stored_blocks, full):
-                self._store_block(seq, index)
+            if self._event_sink is None:
+                for index in range(seq.num_stored_blocks, full):
+                    self._store_block(seq, index)
+            else:
+                self._store_reported(seq, seq.num_stored_blocks, full)
             seq.num_stored_blocks = full
+
+    def commit_loaded(self, seq: Sequence, num_blocks: int) -> None:
+        """The next ``num_blocks`` blocks after the hit were loaded from a second tier.
+
+        They count as cached (served without compute) and become matchable at once.
+        """
+        self._check_live(seq)
+        start = seq.num_cached_tokens
+        end = start + num_blocks * self.block_size
+        if seq.num_computed_tokens != start or end > seq.num_prompt_tokens - seq.cap_last_token:
+            raise ValueError(
+                f"cannot load {num_blocks} blocks into {seq.request_id!r}: "
+                f"{seq.num_computed_tokens} tokens computed, {start} cached (rule 10)"
+            )
+        seq.num_cached_tokens = end
+        self.stats.tier_hits += end - start
+        self.commit(seq, end)
 
     def append(self, seq: Sequence, token_ids: SequenceOf[int]) -> bool:
         """Add generated tokens; False (and nothing changed) when out of blocks.
@@ -255,6 +311,8 @@ class KVCacheManager:
         self.pool.drop_all_cached()
         self._memo.clear()
         self.stats.resets += 1
+        if self._event_sink is not None:
+            self._event_sink(AllBlocksCleared())
         return True
 
     def pop_pending_copies(self) -> list[tuple[int, int]]:
@@ -323,8 +381,11 @@ class KVCacheManager:
             return True
         return num_new <= free - sum(1 for block in hits if block.ref_cnt == 0)
 
-    def _store_block(self, seq: Sequence, index: int) -> None:
-        """Make full block ``index`` of ``seq`` matchable (lazily digesting it once)."""
+    def _store_block(self, seq: Sequence, index: int) -> bool:
+        """Make full block ``index`` of ``seq`` matchable (lazily digesting it once).
+
+        True if it became the indexed copy (not a duplicate, not stored by a sharer).
+        """
         block = seq.blocks[index]
         if not block.uid:  # a sharer (fork) may already have stored it
             chunk = seq.block_bytes(index)
@@ -333,6 +394,32 @@ class KVCacheManager:
             key = (parent, chunk, extra) if extra else (parent, chunk)
             digest = block_digest(seq.parent_digest(index), chunk, extra or (), self._hash_fn)
             self.pool.store(block, key, digest)
+            return block.key is not None
+        return False
+
+    def _store_reported(self, seq: Sequence, start: int, end: int) -> None:
+        """Store blocks [start, end); one ``BlockStored`` per run of newly indexed ones."""
+        first = start
+        for index in range(start, end):
+            if not self._store_block(seq, index):
+                if first < index:
+                    self._announce(seq, first, index)
+                first = index + 1
+        if first < end:
+            self._announce(seq, first, end)
+
+    def _announce(self, seq: Sequence, first: int, end: int) -> None:
+        """Send ``BlockStored`` for blocks [first, end) of ``seq``, a chain below block first-1."""
+        blocks, size = seq.blocks, self.block_size
+        event = BlockStored(
+            block_hashes=[block.digest for block in blocks[first:end]],
+            parent_block_hash=blocks[first - 1].digest if first else None,
+            token_ids=seq.token_ids[first * size : end * size] if self._event_token_ids else [],
+            block_size=size,
+            lora_id=None,
+            medium=MEDIUM_POOL,
+        )
+        self._event_sink(event)
 
     def _copy_last_block(self, seq: Sequence) -> None:
         """Copy-on-write: give ``seq`` a private copy of its shared partial last block."""

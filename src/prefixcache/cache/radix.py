@@ -91,6 +91,14 @@ class RadixIndex:
             uids.append(block.uid)
         return PrefixMatch(hits, uids)
 
+    def replace(self, heir: Block) -> None:
+        """Put ``heir`` where the indexed copy of its uid sits: runs below stay attached.
+
+        Not a delete and re-insert, which would detach every run below the key.
+        """
+        node, offset = self._where[heir.uid]
+        node.blocks[offset] = heir
+
     def get(self, key: tuple, default: None = None) -> Block | None:
         """The indexed block holding ``key``, or ``default``."""
         parent = key[0]

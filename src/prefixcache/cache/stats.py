@@ -11,7 +11,8 @@ class CacheStats:
 
     requests: int = 0  # successful admissions
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens served from cache
+    hits: int = 0  # prompt tokens served from the pool
+    tier_hits: int = 0  # prompt tokens loaded from a second tier instead of computed
     failed_admissions: int = 0  # admit() returned None: not enough free blocks
     stored_blocks: int = 0  # full blocks that became matchable
     duplicate_blocks: int = 0  # committed blocks whose content was already indexed
