@@ -27,6 +27,7 @@ class AddRequest:
     cache_salt: str | None = None
     min_hit_tokens: int = 0
     zero_on_evict: bool = False
+    use_tier: bool = True
 
 
 @dataclass(slots=True)
@@ -80,6 +81,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         min_hit_tokens: int = 0,
         zero_on_evict: bool = False,
+        use_tier: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Snapshots of the request as it advances; the last one has ``finished``.
 
@@ -90,7 +92,13 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         try:
             add = AddRequest(
-                request_id, prompt_token_ids, params, cache_salt, min_hit_tokens, zero_on_evict
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt,
+                min_hit_tokens,
+                zero_on_evict,
+                use_tier,
             )
             await self._call(add)
             while True:
@@ -165,6 +173,7 @@ class AsyncLLMEngine:
                 cache_salt=command.cache_salt,
                 min_hit_tokens=command.min_hit_tokens,
                 zero_on_evict=command.zero_on_evict,
+                use_tier=command.use_tier,
             )
             return None
         if isinstance(command, AbortRequest):

@@ -10,6 +10,7 @@ import torch
 
 from prefixcache.cache import KVCacheManager, Namespace
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
+from prefixcache.cache.events import EventSink
 from prefixcache.cache.index import DEFAULT_INDEX
 from prefixcache.cache.observer import KeyLogObserver
 from prefixcache.cache.policy import DEFAULT_POLICY
@@ -27,7 +28,9 @@ from prefixcache.engine.sampling import SamplingParams, sample
 from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler
 from prefixcache.engine.scrub import BlockScrubber
 from prefixcache.engine.stopping import append_output, length_reason, stop_reason
+from prefixcache.engine.tier_link import TierLink, block_format
 from prefixcache.engine.weights import LoadedModel
+from prefixcache.tier import open_tier
 
 
 @dataclass(slots=True)
@@ -48,6 +51,9 @@ class EngineConfig:
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
+    kv_tier: str | None = None  # a second KV tier: "disk:PATH" or "redis://HOST:PORT/DB"
+    kv_tier_max_bytes: int | None = None  # the disk tier's size cap (default 4 GiB)
+    kv_tier_max_wait: float = 0.5  # seconds a request may wait for its tier blocks, at most
 
 
 class LLMEngine:
@@ -83,11 +89,13 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             index=config.index,
         )
+        self.tier = self._open_tier(config) if config.kv_tier else None
         self.scheduler = Scheduler(
             self.manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             cache_aware=config.cache_aware_scheduling,
+            loader=self.tier,
         )
         self.requests: dict[str, Request] = {}
         self._next_seed = config.seed
@@ -108,11 +116,29 @@ class LLMEngine:
         self.manager.set_observer(KeyLogObserver(write, self.manager.root_digest))
         return log
 
+    def _open_tier(self, config: EngineConfig) -> TierLink:
+        """Connect the second KV tier (a store that is down now is retried later)."""
+        options = (
+            {} if config.kv_tier_max_bytes is None else {"max_bytes": config.kv_tier_max_bytes}
+        )
+        client = open_tier(config.kv_tier, block_format(self.manager, self.kv_store), **options)
+        return TierLink(client, self.manager, self.kv_store, config.kv_tier_max_wait)
+
+    def set_event_sink(self, sink: EventSink, token_ids: bool = False) -> None:
+        """Report KV events to ``sink``: the pool's, and the tier's with its medium."""
+        self.manager.set_event_sink(sink, token_ids=token_ids)
+        if self.tier is not None:
+            self.tier.report_events(sink)
+
     def close(self) -> None:
-        """Release what the engine holds open (the key log file); safe to call twice."""
+        """Release what the engine holds open (key log, tier writer); safe to call twice."""
         if self._key_log is not None:
             self._key_log.close()
             self._key_log = None
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+            self.scheduler.loader = None
 
     def _blocks_for_bytes(self, budget: int) -> int:
         """How many KV blocks fit in ``budget`` bytes."""
@@ -136,11 +162,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         min_hit_tokens: int = 0,
         zero_on_evict: bool = False,
+        use_tier: bool = True,
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
         A cache hit shorter than ``min_hit_tokens`` counts as a miss; with ``zero_on_evict``
-        the request's blocks are zeroed before their slots are reused.
+        the request's blocks are zeroed before their slots are reused; with ``use_tier``
+        off it neither reads nor writes the second KV tier.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
@@ -160,7 +188,10 @@ class LLMEngine:
             min_hit_tokens=min_hit_tokens,
             zero_on_evict=zero_on_evict,
             new_decoder=self.tokenizer.incremental_decoder,
+            use_tier=use_tier,
         )
+        if self.tier is not None:
+            self.tier.prefetch(request)
         self.scheduler.add(request.branches[0])
         self.requests[request_id] = request
         return request
@@ -200,6 +231,8 @@ class LLMEngine:
         """One batch: schedule, forward, sample, postprocess; the requests that advanced."""
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.tier is not None:  # requests may be waiting for their tier blocks
+                self.tier.wait_for_fetches(self.scheduler.waiting)
             return []
         self._before_forward(chunks)
         logits = self._forward(chunks)
@@ -233,6 +266,8 @@ class LLMEngine:
             self._drop_failed_step()
             raise
         self._track_speed(batch.num_tokens, time.perf_counter() - started)
+        if self.tier is not None:  # their KV is computed now: copy it out for the tier
+            self.tier.write_computed(chunks)
         return logits
 
     def _sample(
@@ -280,6 +315,8 @@ class LLMEngine:
             rate = seconds / num_tokens
             previous = self.seconds_per_token
             self.seconds_per_token = rate if previous is None else 0.8 * previous + 0.2 * rate
+            if self.tier is not None:
+                self.tier.seconds_per_token = self.seconds_per_token
 
     def _drop_failed_step(self) -> None:
         """A forward failed: its committed blocks hold no KV. Abort all, forget the cache."""

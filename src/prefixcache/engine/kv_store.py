@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +60,24 @@ class KVStore:
         """Bytes one block takes across all layers (K and V), to size a pool from a budget."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block across all layers: `[num_layers, 2, block_size, kv_heads, head_dim]`."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the given blocks, `[n, *block_shape]` (safe after the slots are reused)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        return torch.stack([layer.index_select(0, ids) for layer in self.layers], dim=1)
+
+    def write_block(self, block_id: int, payload: memoryview | bytes) -> None:
+        """Fill one block in every layer from `block_shape` values in this store's dtype."""
+        with warnings.catch_warnings():  # a read-only buffer is fine: it is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            values = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
+        for layer, value in zip(self.layers, values, strict=True):
+            layer[block_id].copy_(value)
 
     @property
     def nbytes(self) -> int:

@@ -6,10 +6,14 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prefixcache.cache import Sequence
 from prefixcache.engine.sampling import SamplingParams, make_generator
 from prefixcache.engine.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from prefixcache.engine.tier_link import PendingFetch
 
 
 class FinishReason(enum.StrEnum):
@@ -59,6 +63,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     finished: bool = False
+    num_tier_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
 
     @property
     def text(self) -> str:
@@ -82,6 +87,7 @@ class Request:
         min_hit_tokens: int = 0,
         zero_on_evict: bool = False,
         new_decoder: Callable[[], IncrementalDecoder] | None = None,
+        use_tier: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -91,7 +97,10 @@ class Request:
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.num_cached_tokens: int | None = None  # at first admission
+        self.num_cached_tokens: int | None = None  # at first admission, pool and tier
+        self.use_tier = use_tier  # read and write the second KV tier, if there is one
+        self.num_tier_tokens = 0  # of the cached tokens, those loaded from the tier
+        self.tier_fetch: PendingFetch | None = None  # its prompt blocks on their way
         self._new_decoder = new_decoder  # None: token ids only (scheduler tests)
         self.branches: list[Branch] = [Branch(self, 0, self._decoder())]
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
@@ -126,6 +135,7 @@ class Request:
             self.num_cached_tokens or 0,
             self.metrics,
             self.finished,
+            self.num_tier_tokens,
         )
 
 

@@ -15,9 +15,20 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.engine.request import Branch
+
+
+class BlockLoader(Protocol):
+    """Fills a newly admitted branch's blocks from elsewhere (a second KV tier)."""
+
+    def ready(self, branch: Branch) -> bool:
+        """Whether ``branch`` may be admitted now (its blocks are not on their way)."""
+
+    def load(self, branch: Branch) -> int:
+        """Copy what is available into the branch's new blocks and commit them; how many."""
 
 
 class Room(enum.Enum):
@@ -53,12 +64,14 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         cache_aware: bool = False,
         max_passed_over: int = 8,
+        loader: BlockLoader | None = None,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache_aware = cache_aware
         self.max_passed_over = max_passed_over
+        self.loader = loader  # a second tier's blocks, loaded at admission
         self.waiting: deque[Branch] = deque()
         self.running: list[Branch] = []
         self._arrivals = 0
@@ -84,6 +97,8 @@ class Scheduler:
         for branch in self._admission_order():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if self.loader is not None and not self.loader.ready(branch):
+                continue  # its prompt's blocks are on their way from the tier
             if not self._admit(branch):
                 break  # the pool is full: wait for blocks to free up
             admitted.append(branch)
@@ -116,6 +131,8 @@ class Scheduler:
         if seq is None:
             return False
         branch.seq = seq
+        if self.loader is not None:
+            self.loader.load(branch)
         if request.num_cached_tokens is None:
             request.num_cached_tokens = seq.num_cached_tokens
         self.waiting.remove(branch)
