@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/prefixcache serve --host 127.0.0.1 --port 8000
+	$(BIN)/prefixcache serve --host 127.0.0.1 --port 8000 --kv-tier disk:.cache/kv-tier
 
 test: $(STAMP)
 	$(BIN)/pytest

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +21,7 @@ from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.server import openai_format
 from prefixcache.server.auth import AuthError, Tenant, Tenants
+from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.limits import DEFAULT_MAX_PENDING
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -61,6 +62,7 @@ class Server:
     tenants: Tenants
     metrics: ServerMetrics
     max_pending: int
+    identity: dict = field(default_factory=dict)  # see replica_identity
 
     @property
     def engine(self) -> LLMEngine:
@@ -69,16 +71,23 @@ class Server:
 
 
 def create_app(
-    engine: LLMEngine, tenants: Tenants, model_name: str, max_pending: int = DEFAULT_MAX_PENDING
+    engine: LLMEngine,
+    tenants: Tenants,
+    model_name: str,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    publisher: KVEventPublisher | None = None,
 ) -> FastAPI:
-    """The app; its lifespan starts and stops the engine thread."""
+    """The app; its lifespan starts and stops the engine thread (and the event publisher)."""
     server = Server(AsyncLLMEngine(engine), model_name, tenants, ServerMetrics(engine), max_pending)
+    server.identity = replica_identity(engine, publisher)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         server.async_engine.start()
         yield
         server.async_engine.shutdown()
+        if publisher is not None:
+            publisher.close()
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.server = server
@@ -86,6 +95,23 @@ def create_app(
     app.add_exception_handler(Exception, _internal_error)
     _add_routes(app, server)
     return app
+
+
+def replica_identity(engine: LLMEngine, publisher: KVEventPublisher | None) -> dict:
+    """Block size, namespace digest, tier medium and event endpoints (no tenant data)."""
+    events = None
+    if publisher is not None:
+        events = {
+            "endpoint": publisher.endpoint,
+            "replay": publisher.replay_endpoint,
+            "topic": publisher.topic,
+        }
+    return {
+        "block_size": engine.manager.block_size,
+        "namespace_digest": engine.manager.root_digest.hex(),
+        "tier": None if engine.tier is None else engine.tier.client.medium,
+        "kv_events": events,
+    }
 
 
 def _internal_error(request: Request, error: Exception) -> JSONResponse:
@@ -105,7 +131,8 @@ def _internal_error(request: Request, error: Exception) -> JSONResponse:
 def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": server.model_name}
+        """Liveness, and what a router needs to compute this replica's digests."""
+        return {"status": "ok", "model": server.model_name, **server.identity}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -239,7 +266,13 @@ async def _serve(
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     stream = server.async_engine.generate(
-        request_id, prompt, params, salt, tenant.min_hit_tokens, tenant.zero_on_evict
+        request_id,
+        prompt,
+        params,
+        cache_salt=salt,
+        min_hit_tokens=tenant.min_hit_tokens,
+        zero_on_evict=tenant.zero_on_evict,
+        use_tier=tenant.uses_tier,
     )
     try:
         first = await anext(stream)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 LOCAL_TENANT = "local"
 KEY_FILE_FORMAT = (
-    '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_hit_tokens", "zero_on_evict"}]}'
+    '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_hit_tokens", "zero_on_evict",'
+    ' "tier"}]}'
 )
-TENANT_FIELDS = ("name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict")
+TENANT_FIELDS = ("name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier")
 RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
 
 
@@ -36,6 +37,12 @@ class Tenant:
     no_reuse: bool = False  # never reuse any prefix, not even its own
     min_hit_tokens: int = 0  # a hit counts only if at least this many tokens are shared
     zero_on_evict: bool = False  # zero its KV blocks before their slots are reused
+    tier: bool = True  # its blocks may be written to (and read from) the second KV tier
+
+    @property
+    def uses_tier(self) -> bool:
+        """No-reuse blocks are never reusable, so they never go to the tier either."""
+        return self.tier and not self.no_reuse
 
 
 class Tenants:
@@ -101,6 +108,7 @@ def _tenant(entry: dict) -> Tenant:
         no_reuse=bool(entry.get("no_reuse", False)),
         min_hit_tokens=_non_negative(entry.get("min_hit_tokens", 0)),
         zero_on_evict=bool(entry.get("zero_on_evict", False)),
+        tier=bool(entry.get("tier", True)),
     )
 
 
@@ -114,3 +122,26 @@ def _non_negative(value: object) -> int:
 def _digest(key: str) -> str:
     """Keys are compared by digest, so lookup time says nothing about key prefixes."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_or_create_secret(path: str | Path) -> bytes:
+    """The tenant secret kept in ``path``; created once (32 random bytes, owner-only).
+
+    Replicas that share it derive the same salts, so they share a tenant's tier blocks, and
+    a restarted server finds its own blocks again.
+    """
+    path = Path(path)
+    try:
+        secret = bytes.fromhex(path.read_text().strip())
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        secret = os.urandom(32)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secret.hex() + "\n")
+        return secret
+    except (OSError, ValueError) as error:
+        raise ValueError(f"tenant secret file {path}: {error}") from None
+    if len(secret) < 16:
+        raise ValueError(f"tenant secret file {path}: {len(secret)} bytes; at least 16 needed")
+    return secret

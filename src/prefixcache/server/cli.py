@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefixcache.argtypes import positive_int
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
@@ -16,6 +18,10 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from prefixcache.server.limits import DEFAULT_MAX_PENDING
+
+if TYPE_CHECKING:
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.server.events import KVEventPublisher
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -59,6 +65,47 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help='zero every block\'s K/V before its slot is reused (per tenant: "zero_on_evict")',
     )
+    _add_tier_options(serve)
+    _add_event_options(serve)
+
+
+def _add_tier_options(serve: argparse.ArgumentParser) -> None:
+    """The second KV tier and the tenant secret that makes its blocks shareable."""
+    serve.add_argument(
+        "--kv-tier",
+        metavar="SPEC",
+        help="second KV tier: disk:PATH, redis://HOST:PORT/DB, rediss://:PASSWORD@HOST:PORT/DB "
+        "or redis+cluster://HOST:PORT",
+    )
+    serve.add_argument(
+        "--kv-tier-max-bytes", type=positive_int, help="disk tier size cap (default 4 GiB)"
+    )
+    serve.add_argument(
+        "--kv-tier-max-wait",
+        type=float,
+        default=0.5,
+        help="seconds a request may wait for its tier blocks, at most (default 0.5)",
+    )
+    serve.add_argument(
+        "--tenant-secret-file",
+        metavar="PATH",
+        help="shared secret for tenant salts (created if missing): replicas that share it "
+        "share tier blocks; with a disk tier it defaults to PATH/tenant-secret",
+    )
+
+
+def _add_event_options(serve: argparse.ArgumentParser) -> None:
+    """KV events in vLLM's wire format, for routers."""
+    serve.add_argument("--kv-events", metavar="ENDPOINT", help="ZMQ PUB, e.g. tcp://127.0.0.1:5557")
+    serve.add_argument("--kv-events-replay", metavar="ENDPOINT", help="ZMQ ROUTER for replay")
+    serve.add_argument(
+        "--kv-events-token-ids",
+        action="store_true",
+        help="put token ids in BlockStored (they are the prompt: off by default)",
+    )
+    serve.add_argument(
+        "--kv-events-allow-remote", action="store_true", help="allow a non-loopback bind"
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -69,10 +116,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixcache.engine.weights import load_model
     from prefixcache.server.app import create_app, started_banner
     from prefixcache.server.auth import Tenants
+    from prefixcache.tier import redact
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        tenants = Tenants.from_file(args.api_key_file) if args.api_key_file else Tenants(None)
+        secret = tenant_secret(args)
+        tenants = (
+            Tenants.from_file(args.api_key_file, secret)
+            if args.api_key_file
+            else Tenants(None, secret)
+        )
         loaded = load_model(args.model)
         engine = LLMEngine(
             loaded,
@@ -88,13 +141,17 @@ def run_serve(args: argparse.Namespace) -> int:
                 index=args.index,
                 zero_on_evict=args.zero_on_evict,
                 log_cache_keys=args.log_cache_keys,
+                kv_tier=args.kv_tier,
+                kv_tier_max_bytes=args.kv_tier_max_bytes,
+                kv_tier_max_wait=args.kv_tier_max_wait,
             ),
         )
+        publisher = start_events(args, engine)
     except (ValueError, OSError) as error:  # bad model, key file, size or log path: no traceback
         print(f"prefixcache serve: {error}", file=sys.stderr)
         return 2
     name = args.served_model_name or loaded.source.name.split(".")[0]
-    app = create_app(engine, tenants, name, max_pending=args.max_pending)
+    app = create_app(engine, tenants, name, max_pending=args.max_pending, publisher=publisher)
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens; prefix caching "
@@ -104,5 +161,41 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.log_cache_keys:
         print(f"logging cache key components to {args.log_cache_keys}", flush=True)
+    if engine.tier is not None:
+        print(f"KV tier: {engine.tier.client.medium} ({redact(args.kv_tier)})", flush=True)
+    if publisher is not None:
+        print(f"KV events: {publisher.endpoint} topic {publisher.topic}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def tenant_secret(args: argparse.Namespace) -> bytes | None:
+    """The tenant secret: from its file, or kept beside a disk tier; None: per process."""
+    from prefixcache.server.auth import load_or_create_secret
+
+    if args.tenant_secret_file:
+        return load_or_create_secret(args.tenant_secret_file)
+    if args.kv_tier and args.kv_tier.startswith("disk:"):
+        return load_or_create_secret(Path(args.kv_tier.removeprefix("disk:")) / "tenant-secret")
+    return None
+
+
+def start_events(args: argparse.Namespace, engine: LLMEngine) -> KVEventPublisher | None:
+    """Publish the engine's KV events, if asked (loopback only unless allowed)."""
+    if not args.kv_events:
+        return None
+    import zmq
+
+    from prefixcache.server.events import KVEventPublisher, sink_for
+
+    try:
+        publisher = KVEventPublisher(
+            args.kv_events, args.kv_events_replay, allow_remote=args.kv_events_allow_remote
+        )
+    except zmq.ZMQError as error:  # a port in use, a malformed endpoint
+        raise ValueError(f"--kv-events {args.kv_events}: {error}") from None
+    engine.set_event_sink(
+        sink_for(publisher, include_token_ids=args.kv_events_token_ids),
+        token_ids=args.kv_events_token_ids,
+    )
+    return publisher

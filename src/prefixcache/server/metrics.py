@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
+from prefixcache.engine.tier_link import TierLink
 
 TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -51,6 +53,61 @@ class CacheCollector:
         ]
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
+        hits = CounterMetricFamily(
+            "prefixcache_cached_tokens", "Prompt tokens not computed, by source", labels=["source"]
+        )
+        hits.add_metric(["pool"], stats.hits)
+        hits.add_metric(["tier"], stats.tier_hits)
+        yield hits
+        if self.engine.tier is not None:
+            yield from tier_metrics(self.engine.tier)
+
+
+TIER_COUNTERS = (
+    ("lookups", "Tier lookups (one per request with blocks beyond the pool's hit)"),
+    ("hit_blocks", "Blocks found in the tier"),
+    ("miss_blocks", "Blocks asked of the tier and not found"),
+    ("loads", "Tier fetches that returned blocks"),
+    ("load_seconds", "Seconds spent fetching from the tier"),
+    ("bytes_read", "Bytes read from the tier"),
+    ("writes", "Blocks written to the tier"),
+    ("bytes_written", "Bytes written to the tier"),
+    ("writes_dropped", "Writes dropped: queue full or tier down"),
+    ("errors", "Tier calls that failed"),
+    ("evictions", "Blocks the tier evicted (disk tier)"),
+)
+
+
+def tier_metrics(tier: TierLink) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The second tier's counters, rejected values by reason and the breaker's state."""
+    stats = tier.client.stats
+    labels = {"medium": tier.client.medium}
+    for name, documentation in TIER_COUNTERS:
+        family = CounterMetricFamily(f"prefixcache_tier_{name}", documentation, labels=["medium"])
+        family.add_metric([labels["medium"]], getattr(stats, name))
+        yield family
+    rejected = CounterMetricFamily(
+        "prefixcache_tier_rejected_values",
+        "Tier values that failed a check (checksum, digest, layout, ...): misses, never loaded",
+        labels=["medium", "reason"],
+    )
+    for reason, count in sorted(stats.rejected.items()):
+        rejected.add_metric([labels["medium"], reason], count)
+    yield rejected
+    timeouts = CounterMetricFamily(
+        "prefixcache_tier_fetch_timeouts", "Fetches given up at their deadline", labels=["medium"]
+    )
+    timeouts.add_metric([labels["medium"]], tier.timeouts)
+    yield timeouts
+    state = GaugeMetricFamily(
+        "prefixcache_tier_breaker_state",
+        "Circuit breaker: 1 for the current state",
+        labels=["medium", "state"],
+    )
+    current = tier.client.breaker_state
+    for name in ("closed", "open", "half_open"):
+        state.add_metric([labels["medium"], name], 1.0 if name == current else 0.0)
+    yield state
 
 
 class ServerMetrics:
@@ -108,7 +165,8 @@ class ServerMetrics:
         cached = output.num_cached_tokens
         metrics = output.metrics
         if metrics.ttft is not None:
-            self.ttft.labels(tenant, "hit" if cached else "miss").observe(metrics.ttft)
+            source = "tier" if output.num_tier_tokens else "hit" if cached else "miss"
+            self.ttft.labels(tenant, source).observe(metrics.ttft)
         self.reusable.observe(cached)
         self.first_miss.observe(cached)
         self.prefill_tokens.inc(metrics.num_prefill_tokens)

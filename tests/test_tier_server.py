@@ -1,0 +1,110 @@
+"""The server over a disk tier: warm after a restart, tenants kept apart, metrics split."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_fixtures import assert_pool_clean, tiny_engine
+from prefixcache.server.auth import Tenants, load_or_create_secret
+from prefixcache.server.cli import tenant_secret
+from server_fixtures import running_server, wait_idle
+
+SYSTEM = "Quokka ferry desk: answer in one short sentence, please. " * 5
+
+
+def ask(url: str, question: str, key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {
+        "model": "tiny",
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def serve_once(folder, question: str, tenants: Tenants | None = None) -> tuple[dict, dict]:
+    """A fresh engine and server on the disk tier in ``folder``: one answer and its metrics."""
+    args = argparse.Namespace(tenant_secret_file=None, kv_tier=f"disk:{folder}")
+    tenants = tenants or Tenants(None, tenant_secret(args))
+    engine = tiny_engine(num_kv_blocks=200, kv_tier=f"disk:{folder}")
+    with running_server(engine, tenants) as (url, state):
+        answer = ask(url, question)
+        wait_idle(state)
+        assert engine.tier.client.flush(timeout=10)
+        hits = {
+            s: metric(url, "prefixcache_cached_tokens_total", source=s) for s in ("pool", "tier")
+        }
+        assert_pool_clean(engine)
+    engine.close()
+    return answer, hits
+
+
+def test_a_restarted_server_is_warm_from_its_disk_tier(tmp_path):
+    folder = tmp_path / "tier"
+    cold, cold_hits = serve_once(folder, "When does the ferry leave?")
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold_hits == {"pool": 0, "tier": 0}
+    warm, warm_hits = serve_once(folder, "Is there a cafe on board?")
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 64  # the system prompt's blocks came back from disk
+    assert warm_hits == {"pool": 0, "tier": cached}
+    secret = folder / "tenant-secret"
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+
+
+def test_without_the_shared_secret_a_restart_shares_nothing(tmp_path):
+    folder = tmp_path / "tier"
+    serve_once(folder, "When does the ferry leave?", Tenants(None, os.urandom(32)))
+    warm, _ = serve_once(folder, "Is there a cafe?", Tenants(None, os.urandom(32)))
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_tenant_marked_tier_false_never_reaches_the_tier(tmp_path):
+    keys = tmp_path / "keys.json"
+    tenants = [
+        {"name": "open", "keys": ["sk-open"]},
+        {"name": "closed", "keys": ["sk-closed"], "tier": False},
+        {"name": "private", "keys": ["sk-private"], "no_reuse": True},
+    ]
+    keys.write_text(json.dumps({"tenants": tenants}))
+    loaded = Tenants.from_file(keys, load_or_create_secret(tmp_path / "secret"))
+    engine = tiny_engine(num_kv_blocks=200, kv_tier=f"disk:{tmp_path / 'tier'}")
+    with running_server(engine, loaded) as (url, state):
+        for key in ("sk-closed", "sk-private"):
+            ask(url, "Which pier?", key)
+        wait_idle(state)
+        assert engine.tier.client.flush(timeout=10)
+        assert engine.tier.client.stats.writes == 0
+        ask(url, "Which pier?", "sk-open")
+        wait_idle(state)
+        assert engine.tier.client.flush(timeout=10)
+        assert engine.tier.client.stats.writes > 0
+    engine.close()
+
+
+def test_a_bad_secret_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("not hex")
+    with pytest.raises(ValueError, match="tenant secret file"):
+        load_or_create_secret(path)
+    assert load_or_create_secret(tmp_path / "new") == load_or_create_secret(tmp_path / "new")
