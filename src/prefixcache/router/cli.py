@@ -1,0 +1,135 @@
+"""``prefixcache route``: an OpenAI-compatible front over replicas, routing on their caches."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from prefixcache.argtypes import positive_int
+from prefixcache.router.policy import (
+    DEFAULT_BALANCE_ABS,
+    DEFAULT_BALANCE_REL,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_POLICY,
+    DEFAULT_PREFIX_BLOCKS,
+    DEFAULT_TIER_WEIGHT,
+    POLICY_NAMES,
+)
+from prefixcache.router.replicas import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
+
+DEFAULT_PORT = 8080
+
+
+def add_route_parser(commands: argparse._SubParsersAction) -> None:
+    """The ``route`` subcommand and its options."""
+    route = commands.add_parser("route", help="OpenAI-compatible router over replicas")
+    route.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL (repeat)",
+    )
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=DEFAULT_PORT)
+    route.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES)
+    route.add_argument(
+        "--model",
+        help="GGUF file or HF folder whose tokenizer the replicas use (default: SmolLM2-135M)",
+    )
+    route.add_argument("--api-key-file", help="the replicas' key file: the router checks keys too")
+    route.add_argument(
+        "--tenant-secret-file",
+        metavar="PATH",
+        help="the replicas' tenant secret: without it the router cannot compute their digests",
+    )
+    _add_tuning(route)
+
+
+def _add_tuning(route: argparse.ArgumentParser) -> None:
+    """The cache-aware score, prefix-hash and health-check knobs."""
+    route.add_argument(
+        "--tier-weight",
+        type=float,
+        default=DEFAULT_TIER_WEIGHT,
+        help="a tier block's worth vs a pool block",
+    )
+    route.add_argument(
+        "--load-weight",
+        type=float,
+        default=DEFAULT_LOAD_WEIGHT,
+        help="blocks one queued request costs",
+    )
+    route.add_argument("--balance-abs-threshold", type=float, default=DEFAULT_BALANCE_ABS)
+    route.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL)
+    route.add_argument(
+        "--prefix-blocks",
+        type=positive_int,
+        default=DEFAULT_PREFIX_BLOCKS,
+        help="blocks prefix-hash keys on",
+    )
+    route.add_argument(
+        "--health-interval",
+        type=float,
+        default=DEFAULT_HEALTH_INTERVAL_S,
+        help="seconds between checks",
+    )
+    route.add_argument("--health-timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT_S)
+
+
+def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily: FastAPI, httpx)
+    """Tenants, tokenizer and policy from the flags; ValueError/OSError for bad files."""
+    from prefixcache.router.app import RouterConfig
+    from prefixcache.router.policy import CacheAwareWeights, make_policy
+    from prefixcache.server.auth import Tenants, load_or_create_secret
+
+    secret = load_or_create_secret(args.tenant_secret_file) if args.tenant_secret_file else None
+    tenants = (
+        Tenants.from_file(args.api_key_file, secret) if args.api_key_file else Tenants(None, secret)
+    )
+    weights = CacheAwareWeights(
+        args.tier_weight, args.load_weight, args.balance_abs_threshold, args.balance_rel_threshold
+    )
+    policy = make_policy(args.policy, weights, args.prefix_blocks)
+    tokenizer = None
+    if policy.uses_digests:
+        from prefixcache.engine.weights import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    return RouterConfig(
+        args.replica,
+        policy,
+        tenants,
+        tokenizer,
+        health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+    )
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """Build the router, say how it is set up, and serve until interrupted."""
+    import uvicorn
+
+    from prefixcache.router.app import create_router_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    try:
+        config = build_config(args)
+    except (ValueError, OSError) as error:
+        print(f"prefixcache route: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"prefixcache routing on http://{args.host}:{args.port} over {len(config.replicas)} "
+        f"replicas, policy {config.policy.name}",
+        flush=True,
+    )
+    if config.policy.uses_digests and not args.tenant_secret_file:
+        print(
+            "warning: no --tenant-secret-file: the replicas' salts are HMACs under their tenant "
+            "secret, so no digest will match theirs and only the router's own placements count",
+            flush=True,
+        )
+    uvicorn.run(create_router_app(config), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,286 @@
+"""The replicas behind the router: health checks, load scraping, joining and leaving.
+
+A replica is in the rotation while its ``/health`` answers and its namespace (model,
+block size, namespace digest) agrees with the cluster's: the first replica to answer
+sets it, and one that disagrees is refused with a log line saying why. A replica that
+fails a check or refuses a connection leaves the rotation and its index entries are
+dropped; when it answers again it rejoins with a fresh event feed (replay from seq 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+import httpx
+
+from prefixcache.router.feed import EventEndpoints, EventFeed
+from prefixcache.router.index import GlobalIndex
+
+log = logging.getLogger("prefixcache.router")
+
+DEFAULT_HEALTH_INTERVAL_S = 1.0
+DEFAULT_HEALTH_TIMEOUT_S = 3.0
+LOAD_GAUGES = ("prefixcache_requests_running", "prefixcache_requests_waiting")
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
+class ClusterNamespace(NamedTuple):
+    """What every replica must agree on for their digests to be comparable."""
+
+    model: str
+    block_size: int
+    root: bytes  # the namespace digest: root of every chain
+
+
+class ReplicaIdentity(NamedTuple):
+    """A replica's ``/health``, parsed."""
+
+    model: str
+    block_size: int
+    root: bytes
+    tier: str | None
+    events: EventEndpoints | None
+
+    @property
+    def namespace(self) -> ClusterNamespace:
+        return ClusterNamespace(self.model, self.block_size, self.root)
+
+
+def parse_health(body: object, base_url: str) -> ReplicaIdentity:
+    """``/health`` of a replica; ValueError if it is not one of ours (or not ok)."""
+    if not isinstance(body, dict) or body.get("status") != "ok":
+        raise ValueError("health status is not ok")
+    try:
+        events = body.get("kv_events")
+        endpoints = None
+        if events:
+            endpoints = EventEndpoints(
+                reachable(events["endpoint"], base_url),
+                reachable(events["replay"], base_url) if events.get("replay") else None,
+                str(events["topic"]),
+            )
+        return ReplicaIdentity(
+            str(body["model"]),
+            int(body["block_size"]),
+            bytes.fromhex(body["namespace_digest"]),
+            body.get("tier"),
+            endpoints,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"not a prefixcache replica's /health ({error!r})") from None
+
+
+def reachable(endpoint: str, base_url: str) -> str:
+    """An event endpoint bound to a wildcard address, with the replica's own host instead."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host not in WILDCARD_HOSTS:
+        return endpoint
+    return f"{scheme}://{urlsplit(base_url).hostname}:{port}"
+
+
+def parse_load(text: str) -> float:
+    """Running plus waiting branches, from a replica's Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in LOAD_GAUGES:
+            total += float(value)
+    return total
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One replica as the router tracks it."""
+
+    url: str
+    healthy: bool = False
+    identity: ReplicaIdentity | None = None
+    in_flight: int = 0  # requests this router has open on it
+    external_load: float = 0.0  # running + waiting it reported, less our in-flight then
+    refused: str | None = None  # why it is kept out despite answering
+    last_error: str | None = None
+    feed: EventFeed | None = None
+
+    @property
+    def load(self) -> float:
+        """Requests running or waiting there: ours (exact, now) plus others' (scraped)."""
+        return self.in_flight + self.external_load
+
+
+class Fleet:
+    """Every configured replica, and which of them are in the rotation."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        index: GlobalIndex,
+        client: httpx.AsyncClient,
+        *,
+        health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+        use_events: bool = True,
+    ) -> None:
+        self.replicas = {url: Replica(url) for url in dict.fromkeys(u.rstrip("/") for u in urls)}
+        self.index, self.client = index, client
+        self.health_timeout_s = health_timeout_s
+        self.use_events = use_events
+        self.namespace: ClusterNamespace | None = None
+
+    def healthy(self) -> list[Replica]:
+        """The replicas in the rotation, in configured order."""
+        return [r for r in self.replicas.values() if r.healthy]
+
+    async def check_all(self) -> None:
+        """Every replica's health fetched concurrently, applied in configured order.
+
+        The order makes the first configured replica that answers the one whose namespace
+        the cluster adopts, whichever answered first.
+        """
+        replicas = list(self.replicas.values())
+        probes = await asyncio.gather(*(self._probe(r) for r in replicas))
+        for replica, probe in zip(replicas, probes, strict=True):
+            self._apply(replica, probe)
+        await asyncio.gather(*(self._scrape(r) for r in replicas if r.healthy))
+
+    async def run(self, interval_s: float) -> None:
+        """Check every ``interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.check_all()
+
+    async def check(self, replica: Replica) -> None:
+        """One replica now (after a failed request): health, namespace, then load."""
+        self._apply(replica, await self._probe(replica))
+        if replica.healthy:
+            await self._scrape(replica)
+
+    async def _probe(self, replica: Replica) -> ReplicaIdentity | str:
+        """Its ``/health`` parsed, or why it failed."""
+        try:
+            response = await self.client.get(f"{replica.url}/health", timeout=self.health_timeout_s)
+            response.raise_for_status()
+            return parse_health(response.json(), replica.url)
+        except (httpx.HTTPError, ValueError) as error:
+            return describe(error)
+
+    def _apply(self, replica: Replica, probe: ReplicaIdentity | str) -> None:
+        """Join, stay, leave or be refused, from one probe."""
+        if isinstance(probe, str):
+            self.mark_down(replica, probe)
+            return
+        problem = self._namespace_problem(probe)
+        if problem is not None:
+            self._refuse(replica, problem)
+            return
+        self._mark_up(replica, probe)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Out of the rotation; its index entries are dropped (it resyncs when back)."""
+        first_failure = replica.healthy or replica.last_error is None
+        replica.last_error = reason
+        if first_failure:  # one line per outage, not one per check
+            verb = "left the rotation" if replica.healthy else "is not available"
+            log.warning("replica %s %s: %s", replica.url, verb, reason)
+        self._drop(replica)
+
+    def close(self) -> None:
+        """Stop every feed (at shutdown)."""
+        for replica in self.replicas.values():
+            if replica.feed is not None:
+                replica.feed.stop(join_s=1.0)
+                replica.feed = None
+
+    # -- internals --
+
+    def _namespace_problem(self, identity: ReplicaIdentity) -> str | None:
+        """Why this replica's digests would not match the cluster's (None: they would)."""
+        if self.namespace is None:
+            self.namespace = identity.namespace
+            log.info(
+                "cluster namespace: model %r, block size %d, digest %s",
+                identity.model,
+                identity.block_size,
+                identity.root.hex()[:16],
+            )
+            return None
+        if identity.namespace == self.namespace:
+            return None
+        return (
+            f"its namespace (model {identity.model!r}, block size {identity.block_size}, digest "
+            f"{identity.root.hex()[:16]}) differs from the cluster's (model "
+            f"{self.namespace.model!r}, block size {self.namespace.block_size}, digest "
+            f"{self.namespace.root.hex()[:16]}): another model, revision, dtype or block size"
+        )
+
+    def _refuse(self, replica: Replica, problem: str) -> None:
+        if replica.refused != problem:
+            log.error("replica %s refused: %s", replica.url, problem)
+        replica.refused = replica.last_error = problem
+        self._drop(replica)
+
+    def _mark_up(self, replica: Replica, identity: ReplicaIdentity) -> None:
+        """Into the rotation; a new or restarted replica gets a fresh feed (replay from 0)."""
+        if replica.healthy and not self._needs_resync(replica, identity):
+            replica.identity = identity
+            return
+        if replica.healthy:
+            log.info("replica %s restarted or its event feed stopped: resyncing", replica.url)
+        self._drop(replica)
+        replica.identity, replica.refused, replica.last_error = identity, None, None
+        if self.use_events and identity.events is not None:
+            replica.feed = EventFeed(
+                replica.url, identity.events, self.index, identity.tier
+            ).start()
+        else:
+            self.index.attach(replica.url, identity.tier)  # no events: only expectations
+        replica.healthy = True
+        log.info(
+            "replica %s joined the rotation (%s)",
+            replica.url,
+            "KV events " + identity.events.topic if identity.events else "no KV events",
+        )
+
+    def _needs_resync(self, replica: Replica, identity: ReplicaIdentity) -> bool:
+        """A new epoch the feed has not seen yet (an idle restarted replica), or a dead feed."""
+        if replica.identity is None or replica.identity.tier != identity.tier:
+            return True
+        feed, events = replica.feed, identity.events
+        if not self.use_events or (feed is None and events is None):
+            return False
+        if feed is None or events is None or not feed.alive:
+            return True
+        same_sockets = (feed.events.endpoint, feed.events.replay) == (
+            events.endpoint,
+            events.replay,
+        )
+        return not same_sockets or feed.topic != events.topic.encode()
+
+    def _drop(self, replica: Replica) -> None:
+        replica.healthy = False
+        if replica.feed is not None:
+            replica.feed.stop()
+            replica.feed = None
+        self.index.detach(replica.url)
+
+    async def _scrape(self, replica: Replica) -> None:
+        """The replica's running + waiting, minus what of it is ours (counted exactly)."""
+        ours = replica.in_flight
+        try:
+            response = await self.client.get(
+                f"{replica.url}/metrics", timeout=self.health_timeout_s
+            )
+            response.raise_for_status()
+            replica.external_load = max(0.0, parse_load(response.text) - ours)
+        except (httpx.HTTPError, ValueError):
+            pass  # load stays as last seen; health decides membership
+
+
+def describe(error: Exception) -> str:
+    """A short reason for a log line (never a request body)."""
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"HTTP {error.response.status_code}"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
