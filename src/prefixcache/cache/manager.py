@@ -154,13 +154,15 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_items: SequenceOf[MultiModalItem] = (),
+        *,
+        cap_last_token: bool = True,
     ) -> list[bytes]:
-        """Portable digests of the prompt's reusable full blocks (rule 10's cap applied).
+        """Portable digests of the prompt's reusable full blocks (rule 10's cap unless lifted).
 
         What a second tier is asked for: the same chain every process computes.
         """
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
-        num_blocks = (len(token_ids) - 1) // self.block_size
+        num_blocks = (len(token_ids) - cap_last_token) // self.block_size
         digests, parent = [], self.root_digest
         step = self.block_size * TOKEN_BYTES
         for index in range(num_blocks):

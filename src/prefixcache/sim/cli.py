@@ -37,7 +37,26 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument("--out", help="write every result to a .json or .csv file")
     parser.add_argument("--plot", help="write hit rate vs capacity to a PNG")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_cluster_options(parser)
     return parser
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """A cluster: N caches of the first --capacity each, behind the router's policies."""
+    from prefixcache.router.policy import POLICY_NAMES as ROUTING_NAMES
+
+    parser.add_argument(
+        "--replicas", type=positive_int, help="simulate a cluster of N replicas instead"
+    )
+    parser.add_argument(
+        "--routing", nargs="+", choices=ROUTING_NAMES, default=list(ROUTING_NAMES),
+        help="routing policies for --replicas (default: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shared-tier", type=positive_int, default=0, metavar="BLOCKS",
+        help="a KV tier of BLOCKS shared by every replica",
+    )  # fmt: skip
+    parser.add_argument("--replicas-plot", help="write hit rate vs 1..N replicas to a PNG")
 
 
 def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +105,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: the suffix must be .json or .csv")
     trace = load_trace(args.trace, args.trace_format)
     check_capacity(trace, min(args.capacity), args.block_size)
+    if args.replicas:
+        from prefixcache.sim.cluster_report import run_cluster_simulation
+
+        return run_cluster_simulation(trace, args)
     total = len(trace.requests) * len(args.capacity) * len(args.policy) * len(args.index)
     with progress_bar(total, args.quiet) as progress:
         report = run_sweep(

@@ -107,14 +107,17 @@ def _replay_mooncake(
 ) -> None:
     """Look up every block (no cap), cache them all, free."""
     ids = request.hash_ids
+    result.tokens += request.input_length
+    if not ids:  # a captured request shorter than one block
+        result.hits_per_request.append(0)
+        return
     seq = manager.admit(request_id, ids, cap_last_token=False)
     assert seq is not None, "a sequential replay always has the whole pool free"
     manager.commit(seq, len(ids))
     manager.free(seq)
-    hit = seq.num_cached_tokens
+    hit = request.usable_hits(seq.num_cached_tokens)
     result.blocks += len(ids)
     result.hit_blocks += hit
-    result.tokens += request.input_length
     result.hit_tokens += request.hit_tokens(hit)
     result.hits_per_request.append(hit)
 

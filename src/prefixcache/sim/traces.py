@@ -33,9 +33,18 @@ class MooncakeRequest:
     input_length: int
     output_length: int
     hash_ids: list[int]
+    block_size: int | None = None  # set by `--trace-out`: ids of full blocks of this size
+
+    def usable_hits(self, hit_blocks: int) -> int:
+        """Hit blocks a server would serve: rule 10's cap applies to captured traces."""
+        if self.block_size is None:
+            return hit_blocks
+        return min(hit_blocks, (self.input_length - 1) // self.block_size)
 
     def hit_tokens(self, hit_blocks: int) -> int:
         """Tokens in the first ``hit_blocks`` blocks: 512 each, the last one partial."""
+        if self.block_size is not None:
+            return self.usable_hits(hit_blocks) * self.block_size
         if hit_blocks >= len(self.hash_ids):
             return self.input_length
         return hit_blocks * MOONCAKE_BLOCK_TOKENS
@@ -147,22 +156,41 @@ def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
             fields.timestamp(),
             fields.count("input_length"),
             fields.count("output_length"),
-            fields.ids("hash_ids"),
+            fields.ids("hash_ids", required=False),
+            _optional_block_size(fields),
         )
         _check_blocks(fields, request)
         _check_chaining(fields, request.hash_ids, parent_of)
         yield request
 
 
+def _optional_block_size(fields: _Fields) -> int | None:
+    """``block_size`` (captured traces): tokens per block, a positive integer."""
+    if "block_size" not in fields.record:
+        return None
+    size = fields.count("block_size")
+    if size < 1:
+        raise fields.fail("block_size", f"must be >= 1, got {size}")
+    return size
+
+
 def _check_blocks(fields: _Fields, request: MooncakeRequest) -> None:
-    """The ids cover the input: one per 512 tokens, the last one partial."""
-    needed = math.ceil(request.input_length / MOONCAKE_BLOCK_TOKENS)
+    """The ids cover the input: one per 512 tokens, the last one partial (Mooncake), or
+    one per full block of ``block_size`` tokens (captured by ``--trace-out``)."""
+    if request.block_size is None:
+        needed = math.ceil(request.input_length / MOONCAKE_BLOCK_TOKENS)
+        what = f"blocks of {MOONCAKE_BLOCK_TOKENS}"
+    else:
+        needed = request.input_length // request.block_size
+        what = f"full blocks of block_size {request.block_size}"
     if needed != len(request.hash_ids):
         raise fields.fail(
             "hash_ids",
             f"has {len(request.hash_ids)} ids but input_length {request.input_length} "
-            f"needs {needed} blocks of {MOONCAKE_BLOCK_TOKENS}",
+            f"needs {needed} {what}",
         )
+    if request.block_size is None and not request.hash_ids:
+        raise fields.fail("hash_ids", "is empty")
 
 
 def _check_chaining(fields: _Fields, hash_ids: list[int], parent_of: dict[int, int]) -> None:

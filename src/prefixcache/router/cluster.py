@@ -1,0 +1,205 @@
+"""`prefixcache cluster`: N replicas, their KV events, a router, one Ctrl-C stops them all.
+
+Every child is a plain `prefixcache serve` or `prefixcache route` process, so the same
+commands run the replicas on other machines: the router only needs their URLs (and reads
+their event endpoints from `/health`). The cores are divided among the replicas; one
+tenant secret is shared, so the router computes the replicas' digests and a shared tier
+serves every replica. A child that dies is reported and restarted after a short backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EMBEDDED_REDIS = "redis://embedded"
+RESTART_BACKOFF_S = 2.0
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(slots=True)
+class Child:
+    """One supervised process: its command, the process, and how often it restarted."""
+
+    name: str
+    command: list[str]
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    died_at: float | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command, start_new_session=True)
+        self.died_at = None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a clean shutdown), then SIGKILL after ``timeout``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass(slots=True)
+class ClusterPlan:
+    """What to start: the replica and router commands, and an embedded Redis if asked."""
+
+    replicas: list[Child] = field(default_factory=list)
+    router: Child | None = None
+    redis: Child | None = None
+    urls: list[str] = field(default_factory=list)
+
+
+def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
+    """The ``cluster`` subcommand and its options."""
+    cluster = commands.add_parser("cluster", help="N replicas and a cache-aware router")
+    cluster.add_argument("--replicas", type=int, default=2)
+    cluster.add_argument("--port", type=int, default=8000, help="the router's port")
+    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    cluster.add_argument(
+        "--kv-tier",
+        metavar="SPEC",
+        help=f"a tier for every replica: {EMBEDDED_REDIS} (a local redis-server), "
+        "redis://..., or disk:PATH (one folder per replica)",
+    )
+    cluster.add_argument("--policy", default="cache-aware")
+    cluster.add_argument("--api-key-file")
+    cluster.add_argument("--tenant-secret-file", help="default: a new one in a temp folder")
+    cluster.add_argument("--kv-cache-bytes", type=int, help="each replica's KV pool")
+    cluster.add_argument("--threads", type=int, help="per replica (default: cores / replicas)")
+
+
+def plan_cluster(args: argparse.Namespace, workdir: Path) -> ClusterPlan:
+    """Ports, the shared secret and every child's command line."""
+    plan = ClusterPlan()
+    secret = args.tenant_secret_file or str(workdir / "tenant-secret")
+    tier = args.kv_tier
+    if tier == EMBEDDED_REDIS:
+        port = free_port()
+        plan.redis = Child("redis", _redis_command(port, workdir))
+        tier = f"redis://127.0.0.1:{port}/0"
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    for index in range(args.replicas):
+        port = free_port()
+        plan.urls.append(f"http://127.0.0.1:{port}")
+        replica_tier = f"{tier}/replica-{index}" if tier and tier.startswith("disk:") else tier
+        command = _serve_command(args, port, secret, replica_tier, threads)
+        plan.replicas.append(Child(f"replica-{index}", command))
+    plan.router = Child("router", _route_command(args, plan.urls, secret))
+    return plan
+
+
+def _prefixcache() -> list[str]:
+    return [sys.executable, "-m", "prefixcache.cli"]
+
+
+def _serve_command(
+    args: argparse.Namespace, port: int, secret: str, tier: str | None, threads: int
+) -> list[str]:
+    events, replay = free_port(), free_port()
+    command = _prefixcache() + ["serve", "--port", str(port), "--tenant-secret-file", secret]
+    command += ["--kv-events", f"tcp://127.0.0.1:{events}"]
+    command += ["--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--threads", str(threads)]
+    for flag, value in (
+        ("--model", args.model),
+        ("--kv-tier", tier),
+        ("--api-key-file", args.api_key_file),
+        ("--kv-cache-bytes", args.kv_cache_bytes),
+    ):
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def _route_command(args: argparse.Namespace, urls: list[str], secret: str) -> list[str]:
+    command = _prefixcache() + ["route", "--host", args.host, "--port", str(args.port)]
+    command += ["--policy", args.policy, "--tenant-secret-file", secret]
+    for url in urls:
+        command += ["--replica", url]
+    for flag, value in (("--model", args.model), ("--api-key-file", args.api_key_file)):
+        if value is not None:
+            command += [flag, value]
+    return command
+
+
+def _redis_command(port: int, workdir: Path) -> list[str]:
+    """A redis-server from the project's own dependencies, on loopback, LRU when full."""
+    binary = shutil.which("redis-server") or str(Path(sys.executable).parent / "redis-server")
+    return [
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+        "no", "--dir", str(workdir), "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru",
+    ]  # fmt: skip
+
+
+def supervise(plan: ClusterPlan, stop_after: float | None = None) -> int:
+    """Start every child, restart those that die, stop all on Ctrl-C (or ``stop_after``)."""
+    children = ([plan.redis] if plan.redis else []) + plan.replicas + [plan.router]
+    stopping = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # Ctrl-C even when started from a shell that ignores SIGINT in background jobs.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for child in children:
+            child.start()
+        started = time.monotonic()
+        while not stopping and (stop_after is None or time.monotonic() - started < stop_after):
+            for child in children:
+                _restart_if_dead(child)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, interrupt)
+        for child in reversed(children):
+            child.stop()
+    return 0
+
+
+def _restart_if_dead(child: Child) -> None:
+    """Report a child that exited; restart it once its backoff is over."""
+    if child.process is None or child.process.poll() is None:
+        return
+    now = time.monotonic()
+    if child.died_at is None:
+        child.died_at = now
+        code = child.process.returncode
+        print(f"prefixcache cluster: {child.name} exited with {code}; restarting", flush=True)
+    elif now - child.died_at >= RESTART_BACKOFF_S:
+        child.restarts += 1
+        child.start()
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """Plan, print where everything is, supervise until interrupted."""
+    if args.replicas < 1:
+        print("prefixcache cluster: --replicas must be >= 1", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="prefixcache-cluster-") as folder:
+        plan = plan_cluster(args, Path(folder))
+        print(
+            f"prefixcache cluster: router on http://{args.host}:{args.port} "
+            f"({args.policy}) over {len(plan.urls)} replicas: {', '.join(plan.urls)}"
+            + ("; embedded Redis for the KV tier" if plan.redis else ""),
+            flush=True,
+        )
+        return supervise(plan)
