@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench lab lint format clean
+.PHONY: serve cluster test bench lab lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/prefixcache serve --host 127.0.0.1 --port 8000 --kv-tier disk:.cache/kv-tier
 
+cluster: $(STAMP)
+	$(BIN)/prefixcache cluster --replicas 2 --port 8000 --kv-tier redis://embedded
+
 test: $(STAMP)
 	$(BIN)/pytest
 
@@ -26,6 +29,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sim.py
 	$(BIN)/python benchmarks/attention.py
 	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/tier.py
+	$(BIN)/python benchmarks/cluster.py
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab
@@ -40,3 +45,9 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+
+# Real clients (lm-eval, guidellm, langchain-openai, litellm, openai), each in its own
+# venv under .compat/, against a real server; one line per client. Not part of `make test`.
+.PHONY: compat
+compat: $(STAMP)
+	$(BIN)/python compat/run.py --python $(PYTHON)

@@ -127,9 +127,10 @@ def test_cached_tokens_are_shared_within_a_tenant_only(served):
             "messages.0.role",
         ),
         (
-            b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": true}',
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+            b'"tools": [{"type": "function", "function": {"name": "f"}}]}',
             400,
-            "logprobs is not supported",
+            "tools is not supported",
         ),
         (
             b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',

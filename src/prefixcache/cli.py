@@ -6,10 +6,13 @@ import argparse
 import sys
 
 from prefixcache.argtypes import positive_int
+from prefixcache.router.cli import add_route_parser, run_route
+from prefixcache.router.cluster import add_cluster_parser, run_cluster
 from prefixcache.server.cli import add_serve_parser, run_serve
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
 from prefixcache.tools.audit import add_audit_parser, run_audit
 from prefixcache.tools.explain import add_explain_parser, run_explain
+from prefixcache.tools.export_tokenizer import add_export_tokenizer_parser, run_export_tokenizer
 from prefixcache.tools.verify import add_verify_parser, run_verify
 
 
@@ -25,10 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="give both tenants no salt (the article's unsafe Variation 2)",
     )
     add_serve_parser(commands)
+    add_route_parser(commands)
+    add_cluster_parser(commands)
     add_simulate_parser(commands)
     add_explain_parser(commands)
     add_verify_parser(commands)
     add_audit_parser(commands)
+    add_export_tokenizer_parser(commands)
     return parser
 
 
@@ -48,7 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-COMMANDS = {"explain": run_explain, "verify": run_verify, "audit-timing": run_audit}
+COMMANDS = {
+    "route": run_route,
+    "cluster": run_cluster,
+    "explain": run_explain,
+    "verify": run_verify,
+    "audit-timing": run_audit,
+    "export-tokenizer": run_export_tokenizer,
+}
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from prefixcache.engine.engine import LLMEngine
@@ -47,6 +47,37 @@ class CallInEngine:
 Command = AddRequest | AbortRequest | CallInEngine
 
 
+class RequestStream:
+    """One request's snapshots as an async iterator; closing it early aborts the request."""
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.owner, self.request_id, self._queue = owner, request_id, queue
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if isinstance(output, BaseException):
+            self.close()
+            raise output
+        if output.finished:
+            self.close()
+        return output
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it is still in the engine (safe to repeat)."""
+        if not self._closed:
+            self._closed = True
+            self.owner._release(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 class AsyncLLMEngine:
     """Steps the engine on a background thread; the event loop never waits on a step."""
 
@@ -66,11 +97,17 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stop the engine thread after the current step."""
+        """Stop the engine thread after the current step; abort what is left, free its blocks."""
         self._stopped = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self._thread is None or not self._thread.is_alive():
+            left = list(self.engine.requests)
+            for request_id in left:
+                self.engine.abort_request(request_id)
+            if left:
+                log.info("shutdown aborted %d unfinished requests", len(left))
         self.engine.close()
 
     async def generate(
@@ -88,30 +125,44 @@ class AsyncLLMEngine:
         Raises the engine's ValueError at once for a request it can never serve.
         Closing the iterator early (a client that went away) aborts the request.
         """
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        add = AddRequest(
+            request_id, prompt_token_ids, params, cache_salt, min_hit_tokens, zero_on_evict,
+            use_tier,
+        )  # fmt: skip
+        stream = await self.open(add)
         try:
-            add = AddRequest(
-                request_id,
-                prompt_token_ids,
-                params,
-                cache_salt,
-                min_hit_tokens,
-                zero_on_evict,
-                use_tier,
-            )
-            await self._call(add)
-            while True:
-                output = await stream.get()
-                if isinstance(output, BaseException):
-                    raise output
+            async for output in stream:
                 yield output
-                if output.finished:
-                    return
-        finally:  # may run while cancelled (client gone): submit, don't await
-            del self._streams[request_id]
-            if request_id in self.engine.requests:
-                self._submit(AbortRequest(request_id))
+        finally:
+            stream.close()
+
+    def open(self, add: AddRequest) -> Coroutine[None, None, RequestStream]:
+        """Add a request (awaiting raises the engine's ValueError); then its snapshots.
+
+        It counts in ``num_pending`` from this call on. Opening several at once
+        (``asyncio.gather``) puts them in the engine between the same two steps, so requests
+        that share a prefix compute it once.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[add.request_id] = queue
+        return self._added(add, queue)
+
+    async def _added(self, add: AddRequest, queue: asyncio.Queue) -> RequestStream:
+        try:
+            await self._call(add)
+        except BaseException:  # refused, or cancelled while queued (then it may still land)
+            self._streams.pop(add.request_id, None)
+            self._submit(AbortRequest(add.request_id))
+            raise
+        return RequestStream(self, add.request_id, queue)
+
+    def _release(self, request_id: str) -> None:
+        """A stream was closed: stop delivering to it, abort the request if it still runs.
+
+        It may run while cancelled (client gone): it submits, never awaits."""
+        self._streams.pop(request_id, None)
+        if request_id in self.engine.requests:
+            self._submit(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks."""
@@ -159,9 +210,16 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             try:
-                future.set_result(self._execute(command))
-            except Exception as error:
-                future.set_exception(error)
+                result, error = self._execute(command), None
+            except Exception as failure:
+                result, error = None, failure
+            try:
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+            except InvalidStateError:  # the caller was cancelled and no longer waits
+                pass
 
     def _execute(self, command: Command) -> object:
         """Carry out one command on the engine thread."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -22,15 +23,32 @@ from prefixcache.engine.config import (
 )
 from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.model import LlamaModel
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
-from prefixcache.engine.sampling import SamplingParams, sample
+from prefixcache.engine.sampling import History, SamplingParams, sample
 from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler
 from prefixcache.engine.scrub import BlockScrubber
-from prefixcache.engine.stopping import append_output, length_reason, stop_reason
+from prefixcache.engine.stopping import (
+    append_output,
+    length_reason,
+    stop_reason,
+    stop_token_ids,
+)
 from prefixcache.engine.tier_link import TierLink, block_format
 from prefixcache.engine.weights import LoadedModel
 from prefixcache.tier import open_tier
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What one step's sampling produced: a token (and maybe its logprob) per branch, and
+    the branches that asked for no token at all (``max_tokens=0``: prompt scored only)."""
+
+    branches: list[Branch]
+    tokens: list[int]
+    logprobs: list[Logprob | None]
+    scored: list[Branch]
 
 
 @dataclass(slots=True)
@@ -98,6 +116,7 @@ class LLMEngine:
             loader=self.tier,
         )
         self.requests: dict[str, Request] = {}
+        self.on_retired: list[Callable[[Request], None]] = []  # each finished or aborted one
         self._next_seed = config.seed
         self.seconds_per_token: float | None = None
         self.scrubber = BlockScrubber(self.manager, self.kv_store, config.zero_on_evict)
@@ -168,12 +187,18 @@ class LLMEngine:
 
         A cache hit shorter than ``min_hit_tokens`` counts as a miss; with ``zero_on_evict``
         the request's blocks are zeroed before their slots are reused; with ``use_tier``
-        off it neither reads nor writes the second KV tier.
+        off it neither reads nor writes the second KV tier. A request that asks for prompt
+        logprobs computes its whole prompt (a cached prefix has no logits): its own hit is
+        skipped and the tier is not used, while the blocks it computes are shared as usual.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         params = params or SamplingParams()
         self._check_prompt(prompt_token_ids)
+        self._check_token_ids(params)
+        if params.prompt_logprobs is not None:
+            min_hit_tokens = max(min_hit_tokens, len(prompt_token_ids))
+            use_tier = False
         if not isinstance(min_hit_tokens, int) or min_hit_tokens < 0:
             raise ValueError(f"min_hit_tokens must be an int >= 0, got {min_hit_tokens!r}")
         if zero_on_evict:
@@ -211,6 +236,13 @@ class LLMEngine:
             )
         check_fits(len(prompt), self.config.block_size, self.num_blocks, num_generated=1)
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in ``logit_bias`` must be in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is not in the engine."""
         request = self.requests.pop(request_id, None)
@@ -220,7 +252,7 @@ class LLMEngine:
             if not branch.finished:
                 branch.output.finish_reason = FinishReason.ABORT
             self.scheduler.finish(branch)
-        request.metrics.finished_time = time.perf_counter()
+        self._retire(request)
         return request.snapshot()
 
     def has_unfinished_requests(self) -> bool:
@@ -236,8 +268,8 @@ class LLMEngine:
             return []
         self._before_forward(chunks)
         logits = self._forward(chunks)
-        branches, tokens = self._sample(chunks, logits)
-        return self._postprocess(branches, tokens)
+        sampled = self._sample(chunks, logits)
+        return self._postprocess(sampled)
 
     def _before_forward(self, chunks: list[ScheduledChunk]) -> None:
         """Per-request milestones, and zeroing of reused slots before the forward writes."""
@@ -262,6 +294,7 @@ class LLMEngine:
                 logits = (
                     self.model.compute_logits(hidden[batch.logit_rows]) if batch.sampled else None
                 )
+                self._score_prompts(chunks, hidden)
         except Exception:
             self._drop_failed_step()
             raise
@@ -270,21 +303,62 @@ class LLMEngine:
             self.tier.write_computed(chunks)
         return logits
 
-    def _sample(
-        self, chunks: list[ScheduledChunk], logits: torch.Tensor | None
-    ) -> tuple[list[Branch], list[int]]:
+    def _score_prompts(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Prompt logprobs for the prompt positions of chunks whose request asks for them."""
+        offset = 0
+        for chunk in chunks:
+            request = chunk.branch.request
+            if request.prompt_logprobs is not None and chunk.start < request.prompt_length - 1:
+                fill_prompt_logprobs(
+                    request.prompt_logprobs,
+                    request.prompt_token_ids,
+                    hidden[offset : offset + chunk.num_tokens],
+                    chunk.start,
+                    self.model.compute_logits,
+                    request.params.prompt_logprobs or 0,
+                )
+            offset += chunk.num_tokens
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor | None) -> Sampled:
         """One token for every branch that reached its last token (forking ``n > 1`` first)."""
-        rows, branches = [], []
+        rows, branches, scored = [], [], []
         for row, chunk in enumerate(c for c in chunks if c.needs_logits):
+            if chunk.branch.request.params.max_tokens == 0:
+                scored.append(chunk.branch)
+                continue
             group = [chunk.branch] + self._new_forks(chunk.branch)
             branches += group
             rows += [row] * len(group)
         if not branches:
-            return [], []
-        params = [b.request.params for b in branches]
+            return Sampled([], [], [], scored)
         assert logits is not None
-        tokens = sample(logits[torch.tensor(rows)], params, [b.generator for b in branches])
-        return branches, tokens
+        logits = logits[torch.tensor(rows)]
+        params = [b.request.params for b in branches]
+        histories = [self._history(b) for b in branches]
+        tokens = sample(logits, params, [b.generator for b in branches], histories)
+        return Sampled(branches, tokens, self._logprobs(logits, branches, tokens), scored)
+
+    def _history(self, branch: Branch) -> History:
+        """The tokens a branch's logit processors look at."""
+        return History(
+            branch.request.prompt_token_ids,
+            branch.output.token_ids,
+            stop_token_ids(branch, self.tokenizer.eos_token_ids),
+        )
+
+    def _logprobs(
+        self, logits: torch.Tensor, branches: list[Branch], tokens: list[int]
+    ) -> list[Logprob | None]:
+        """The sampled tokens' logprobs (raw logits), for the branches that ask."""
+        wanted = [i for i, b in enumerate(branches) if b.request.params.logprobs is not None]
+        found: list[Logprob | None] = [None] * len(branches)
+        if wanted:
+            ks = [branches[i].request.params.logprobs or 0 for i in wanted]
+            rows = logits[torch.tensor(wanted)]
+            entries = token_logprobs(rows, [tokens[i] for i in wanted], ks)
+            for i, entry in zip(wanted, entries, strict=True):
+                found[i] = entry
+        return found
 
     def _new_forks(self, parent: Branch) -> list[Branch]:
         """At the first token of an ``n > 1`` request: branches 1..n-1, sharing its blocks."""
@@ -295,16 +369,22 @@ class LLMEngine:
         self.scheduler.add_forks(parent, children)
         return children
 
-    def _postprocess(self, branches: list[Branch], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, sampled: Sampled) -> list[RequestOutput]:
         """Record each token, finish or grow its branch; snapshots of the touched requests."""
         touched: dict[str, Request] = {}
         now = time.perf_counter()
-        for branch, token in zip(branches, tokens, strict=True):
+        for branch, token, logprob in zip(
+            sampled.branches, sampled.tokens, sampled.logprobs, strict=True
+        ):
             request = branch.request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            self._accept_token(branch, token)
+            self._accept_token(branch, token, logprob)
             touched[request.request_id] = request
+        for branch in sampled.scored:
+            branch.request.metrics.first_token_time = now
+            self._finish_scored(branch)
+            touched[branch.request.request_id] = branch.request
         self.scrubber.zero_reused()  # appends may have reused slots, copy targets too
         self.kv_store.copy_blocks(self.manager.pop_pending_copies())
         return [request.snapshot() for request in touched.values()]
@@ -324,11 +404,11 @@ class LLMEngine:
             self.abort_request(request_id)
         self.manager.reset()
 
-    def _accept_token(self, branch: Branch, token: int) -> None:
+    def _accept_token(self, branch: Branch, token: int, logprob: Logprob | None = None) -> None:
         """Record a sampled token; finish the branch or give it room for the next one."""
         reason = stop_reason(branch, token, self.tokenizer.eos_token_ids)
         if reason is None:  # a stop token is not part of the output
-            if append_output(branch, token):
+            if append_output(branch, token, logprob):
                 self._finish_branch(branch, FinishReason.STOP, flush=False)
                 return
             reason = length_reason(branch, self.max_model_len)
@@ -336,6 +416,14 @@ class LLMEngine:
             self._finish_branch(branch, reason)
         elif branch.seq is not None and self.scheduler.append_token(branch, token) is Room.NONE:
             self._finish_branch(branch, FinishReason.LENGTH)
+
+    def _finish_scored(self, branch: Branch) -> None:
+        """A ``max_tokens=0`` request after its prefill: every completion ends empty."""
+        for output in branch.request.outputs:
+            output.finish_reason = FinishReason.LENGTH
+        self.scheduler.finish(branch)
+        self.requests.pop(branch.request.request_id, None)
+        self._retire(branch.request)
 
     def _finish_branch(self, branch: Branch, reason: FinishReason, flush: bool = True) -> None:
         """Mark a completion done, free its blocks, and retire the request when all are."""
@@ -345,5 +433,11 @@ class LLMEngine:
         self.scheduler.finish(branch)
         request = branch.request
         if request.finished and request.params.n == len(request.branches):
-            request.metrics.finished_time = time.perf_counter()
             self.requests.pop(request.request_id, None)
+            self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        """A request left the engine: stamp it and tell whoever listens (trace-out)."""
+        request.metrics.finished_time = time.perf_counter()
+        for hook in self.on_retired:
+            hook(request)

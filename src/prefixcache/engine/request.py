@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixcache.cache import Sequence
+from prefixcache.engine.logprobs import Logprob
 from prefixcache.engine.sampling import SamplingParams, make_generator
+from prefixcache.engine.stop_holdback import releasable_length, released_tokens, visible_tokens
 from prefixcache.engine.tokenizer import IncrementalDecoder
 
 if TYPE_CHECKING:
@@ -45,12 +47,18 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion of a request: its text so far and why it stopped."""
+    """One completion of a request: its text so far and why it stopped.
+
+    In a snapshot of an unfinished request, ``text`` holds back what could still become a
+    stop string, and ``logprobs`` (if asked for) covers the tokens whose text is shown.
+    """
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    logprobs: list[Logprob] | None = None
+    text_ends: list[int] = field(default_factory=list)  # len(text) after each token (engine)
 
 
 @dataclass(slots=True)
@@ -64,6 +72,7 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = False
     num_tier_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
+    prompt_logprobs: list[Logprob | None] | None = None  # [0] is None: nothing precedes it
 
     @property
     def text(self) -> str:
@@ -103,7 +112,15 @@ class Request:
         self.tier_fetch: PendingFetch | None = None  # its prompt blocks on their way
         self._new_decoder = new_decoder  # None: token ids only (scheduler tests)
         self.branches: list[Branch] = [Branch(self, 0, self._decoder())]
-        self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
+        wants_logprobs = params.logprobs is not None
+        self.outputs = [
+            CompletionOutput(index=i, logprobs=[] if wants_logprobs else None)
+            for i in range(params.n)
+        ]
+        self.prompt_logprobs: list[Logprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
+        )
+        self._prompt_logprobs_done = False
 
     def fork_branches(self) -> list[Branch]:
         """Branches 1..n-1, made when branch 0 samples its first token (they share its KV)."""
@@ -124,19 +141,39 @@ class Request:
 
     def snapshot(self) -> RequestOutput:
         """A copy of the request's current state, safe to hand to another thread."""
-        outputs = [
-            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason)
-            for o in self.outputs
-        ]
         return RequestOutput(
             self.request_id,
             self.prompt_token_ids,
-            outputs,
+            [self._shown(o) for o in self.outputs],
             self.num_cached_tokens or 0,
             self.metrics,
             self.finished,
             self.num_tier_tokens,
+            self._prompt_logprobs_if_done(),
         )
+
+    def _shown(self, output: CompletionOutput) -> CompletionOutput:
+        """What may be shown of one completion: no text that may yet start a stop string."""
+        if output.finish_reason is None:
+            length = releasable_length(output.text, self.params.stop)
+            count = released_tokens(output.text_ends, length)
+        else:
+            length = len(output.text)
+            count = visible_tokens(output.text_ends, length)
+        logprobs = None if output.logprobs is None else output.logprobs[:count]
+        return CompletionOutput(
+            output.index, output.text[:length], list(output.token_ids), output.finish_reason,
+            logprobs,
+        )  # fmt: skip
+
+    def _prompt_logprobs_if_done(self) -> list[Logprob | None] | None:
+        """The prompt's logprobs once every position has one (after its prefill)."""
+        slots = self.prompt_logprobs
+        if slots is None:
+            return None
+        if not self._prompt_logprobs_done:  # filled once, never changed after
+            self._prompt_logprobs_done = all(entry is not None for entry in slots[1:])
+        return slots if self._prompt_logprobs_done else None
 
 
 class Branch:

@@ -1,7 +1,13 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeds."""
+"""Sampling parameters and the sampler: logit processors, greedy, temperature, min-p, top-k/p.
+
+Order per row, as vLLM applies it: logit bias, min_tokens (stop tokens masked), repetition
+penalty (prompt and output tokens), frequency and presence penalties (output tokens), then
+greedy argmax, or temperature, min-p, top-k, top-p and one seeded draw.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +16,13 @@ MAX_N = 16  # completions per request
 MAX_TEMPERATURE = 2.0  # OpenAI's range; hotter is noise
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 2**63 - 1
+MIN_REQUEST_SEED = -(2**63)  # a client's seed may be any int64 or uint64 (see fold_seed)
+MAX_REQUEST_SEED = 2**64 - 1
+MAX_PENALTY = 2.0  # presence/frequency penalty range [-2, 2], OpenAI's
+MAX_REPETITION_PENALTY = 10.0  # (0, 10]; 1 is off
+MAX_LOGIT_BIAS = 100.0  # bias values in [-100, 100], OpenAI's
+MAX_LOGIT_BIAS_TOKENS = 300  # entries in one logit_bias map
+MAX_LOGPROBS = 20  # top logprobs per token (generated or prompt), OpenAI chat's limit
 
 
 @dataclass(slots=True)
@@ -17,34 +30,53 @@ class SamplingParams:
     """How to pick tokens and when to stop. ``temperature=0`` is greedy.
 
     The limits above are the only ones: the server's request schemas read them.
+    ``logprobs``/``prompt_logprobs``: None for none, k >= 0 for the chosen token plus k top.
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0 only with prompt_logprobs: score the prompt, generate nothing
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # no stop token, EOS or stop string before this many tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
         """ValueError naming the first field outside its range."""
-        checks = [
+        for ok, message in self._checks() + self._processor_checks():
+            if not ok:
+                raise ValueError(message)
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        return [
             (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                self.max_tokens >= (0 if self.prompt_logprobs is not None else 1),
+                f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}",
+            ),
             (
                 0.0 <= self.temperature <= MAX_TEMPERATURE,
                 f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
             ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0: no limit), got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (
                 self.seed is None or 0 <= self.seed <= MAX_SEED,
                 f"seed must be in [0, {MAX_SEED}], got {self.seed}",
@@ -59,13 +91,76 @@ class SamplingParams:
                 "stop_token_ids must be non-negative ints",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+
+    def _processor_checks(self) -> list[tuple[bool, str]]:
+        """Penalties, bias, min_tokens and logprobs."""
+        bias_ok = all(
+            isinstance(t, int) and t >= 0 and abs(b) <= MAX_LOGIT_BIAS
+            for t, b in self.logit_bias.items()
+        )
+        return [
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            ),
+            (
+                abs(self.presence_penalty) <= MAX_PENALTY,
+                f"presence_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], "
+                f"got {self.presence_penalty}",
+            ),
+            (
+                abs(self.frequency_penalty) <= MAX_PENALTY,
+                f"frequency_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], "
+                f"got {self.frequency_penalty}",
+            ),
+            (
+                0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}",
+            ),
+            (
+                len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS and bias_ok,
+                f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to values "
+                f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                all(k is None or 0 <= k <= MAX_LOGPROBS for k in self._logprob_counts),
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+        ]
+
+    @property
+    def _logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.prompt_logprobs
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any processor changes this request's logits before sampling."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(slots=True)
+class History:
+    """What a row's processors look at: its prompt, its output so far, its stop tokens."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    stop_token_ids: Sequence[int] = ()  # masked until min_tokens (EOS included)
+
+
+def fold_seed(seed: int) -> int:
+    """A client's int64/uint64 seed as one of ours, [0, MAX_SEED] (distinct seeds mod 2**63)."""
+    return seed % (MAX_SEED + 1)
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -77,8 +172,14 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator],
+    histories: list[History] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ([N, vocab]), each row with its own params."""
+    if histories is not None and any(p.processes_logits for p in params):
+        logits = logits.clone()
+        for row, (param, history) in enumerate(zip(params, histories, strict=True)):
+            if param.processes_logits:
+                logits[row] = process_logits(logits[row], param, history)
     greedy_ids = logits.argmax(dim=-1).tolist()
     tokens = []
     for row, (param, generator) in enumerate(zip(params, generators, strict=True)):
@@ -89,9 +190,35 @@ def sample(
     return tokens
 
 
+def process_logits(row: torch.Tensor, param: SamplingParams, history: History) -> torch.Tensor:
+    """Bias, min_tokens, repetition, frequency and presence penalties on one row."""
+    row = row.clone()
+    vocab = row.numel()
+    if param.logit_bias:
+        ids = torch.tensor(list(param.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(param.logit_bias.values()), dtype=row.dtype)
+    if len(history.output_token_ids) < param.min_tokens and history.stop_token_ids:
+        row[torch.tensor(list(history.stop_token_ids), dtype=torch.long)] = float("-inf")
+    if param.repetition_penalty != 1.0:
+        seen = torch.tensor([*history.prompt_token_ids, *history.output_token_ids])
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[seen] = True
+        penalty = param.repetition_penalty
+        row = torch.where(mask, torch.where(row > 0, row / penalty, row * penalty), row)
+    if (param.frequency_penalty or param.presence_penalty) and history.output_token_ids:
+        counts = torch.bincount(
+            torch.tensor(history.output_token_ids, dtype=torch.long), minlength=vocab
+        ).to(row.dtype)
+        row -= param.frequency_penalty * counts + param.presence_penalty * (counts > 0)
+    return row
+
+
 def _sample_row(logits: torch.Tensor, param: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature, then top-k, then top-p, then one draw from this row's generator."""
+    """Temperature, then min-p, top-k, top-p, then one draw from this row's generator."""
     scores = logits.float() / param.temperature
+    if param.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < param.min_p * probs.max(), float("-inf"))
     if param.top_k and param.top_k < scores.numel():
         kth = torch.topk(scores, param.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

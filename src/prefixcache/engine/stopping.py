@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from prefixcache.engine.logprobs import Logprob
 from prefixcache.engine.request import Branch, CompletionOutput, FinishReason
 
 
@@ -17,23 +18,40 @@ def stop_reason(branch: Branch, token: int, eos_token_ids: Collection[int]) -> F
     return None
 
 
-def append_output(branch: Branch, token: int) -> bool:
-    """Add a generated token and its text; True if the text now reaches a stop string."""
+def stop_token_ids(branch: Branch, eos_token_ids: Collection[int]) -> list[int]:
+    """Every id that would end this branch: what ``min_tokens`` masks."""
+    params = branch.request.params
+    return [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
+
+
+def append_output(branch: Branch, token: int, logprob: Logprob | None = None) -> bool:
+    """Add a generated token and its text; True if the text now reaches a stop string.
+
+    Stop strings are not looked for before ``min_tokens`` tokens (as vLLM does).
+    """
     output = branch.output
     output.token_ids.append(token)
+    if output.logprobs is not None and logprob is not None:
+        output.logprobs.append(logprob)
     new_text = branch.decoder.push(token)
     output.text += new_text
+    output.text_ends.append(len(output.text))
+    if len(output.token_ids) < branch.request.params.min_tokens:
+        return False
     return cut_at_stop_string(output, len(new_text), branch.request.params.stop)
 
 
 def cut_at_stop_string(output: CompletionOutput, new_chars: int, stops: list[str]) -> bool:
-    """Truncate the text before the first stop string that the new text completed."""
+    """Truncate the text before the earliest stop string that the new text completed."""
+    cuts = []
     for stop in stops:
         cut = output.text.find(stop, max(0, len(output.text) - new_chars - len(stop) + 1))
         if cut != -1:
-            output.text = output.text[:cut]
-            return True
-    return False
+            cuts.append(cut)
+    if not cuts:
+        return False
+    output.text = output.text[: min(cuts)]
+    return True
 
 
 def length_reason(branch: Branch, max_model_len: int) -> FinishReason | None:

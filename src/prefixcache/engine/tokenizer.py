@@ -62,6 +62,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token etc., for the template
         self._template: jinja2.Template | None = None
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -150,6 +151,42 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (a byte-level token may be half a character)."""
+        found = self._token_bytes.get(token_id)
+        if found is None:
+            piece = self.backend.id_to_token(token_id) or ""
+            if (
+                isinstance(self.backend.decoder, decoders.ByteLevel)
+                and set(piece) <= _BYTE_OF.keys()
+            ):
+                found = bytes(_BYTE_OF[c] for c in piece)
+            else:
+                found = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+            self._token_bytes[token_id] = found
+        return found
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (an incomplete UTF-8 sequence shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def save_hf(self, folder: Path, model_max_length: int | None = None) -> list[Path]:
+        """Write a Hugging Face tokenizer folder (what ``AutoTokenizer`` loads); the paths."""
+        folder.mkdir(parents=True, exist_ok=True)
+        written = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
+        self.backend.save(str(written[0]))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            **{name: text for name, text in self.special_tokens.items()},
+        }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        if model_max_length:
+            config["model_max_length"] = model_max_length
+        written[1].write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        return written
 
 
 class IncrementalDecoder:
@@ -261,6 +298,9 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_BYTE_OF = {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 def _end_of_generation_ids(backend: Backend, eos_ids: Iterable[int]) -> tuple[int, ...]:

@@ -19,9 +19,12 @@ from prefixcache.engine.config import (
 )
 from prefixcache.server.limits import DEFAULT_MAX_PENDING
 
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
+
 if TYPE_CHECKING:
     from prefixcache.engine.engine import LLMEngine
     from prefixcache.server.events import KVEventPublisher
+    from prefixcache.server.trace_out import TraceWriter
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -65,8 +68,20 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help='zero every block\'s K/V before its slot is reused (per tenant: "zero_on_evict")',
     )
+    serve.add_argument(
+        "--threads", type=positive_int, help="torch intra-op threads (default: torch's choice)"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT stop admitting, let running requests finish for this long, "
+        f"then abort the rest and exit (default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
     _add_tier_options(serve)
     _add_event_options(serve)
+    _add_trace_option(serve)
 
 
 def _add_tier_options(serve: argparse.ArgumentParser) -> None:
@@ -94,6 +109,16 @@ def _add_tier_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_trace_option(serve: argparse.ArgumentParser) -> None:
+    """Traffic captured for the simulator."""
+    serve.add_argument(
+        "--trace-out",
+        metavar="PATH",
+        help="append one Mooncake-format line per request (block digests as ids, never "
+        "tokens or text) for `prefixcache simulate`",
+    )
+
+
 def _add_event_options(serve: argparse.ArgumentParser) -> None:
     """KV events in vLLM's wire format, for routers."""
     serve.add_argument("--kv-events", metavar="ENDPOINT", help="ZMQ PUB, e.g. tcp://127.0.0.1:5557")
@@ -110,15 +135,17 @@ def _add_event_options(serve: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build everything, say how it is set up, and serve until interrupted."""
-    import uvicorn
-
     from prefixcache.engine.engine import EngineConfig, LLMEngine
     from prefixcache.engine.weights import load_model
-    from prefixcache.server.app import create_app, started_banner
+    from prefixcache.server.app import create_app, graceful_server, started_banner
     from prefixcache.server.auth import Tenants
     from prefixcache.tier import redact
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         secret = tenant_secret(args)
         tenants = (
@@ -147,6 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
             ),
         )
         publisher = start_events(args, engine)
+        trace = start_trace(args.trace_out, engine)
     except (ValueError, OSError) as error:  # bad model, key file, size or log path: no traceback
         print(f"prefixcache serve: {error}", file=sys.stderr)
         return 2
@@ -165,8 +193,24 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"KV tier: {engine.tier.client.medium} ({redact(args.kv_tier)})", flush=True)
     if publisher is not None:
         print(f"KV events: {publisher.endpoint} topic {publisher.topic}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        graceful_server(app, args.host, args.port, args.shutdown_timeout).run()
+    finally:
+        if trace is not None:
+            trace.close()
     return 0
+
+
+def start_trace(path: str | None, engine: LLMEngine) -> TraceWriter | None:
+    """Append one Mooncake-format line per finished request to ``path``, if asked."""
+    if path is None:
+        return None
+    from prefixcache.server.trace_out import TraceWriter
+
+    trace = TraceWriter(path, engine.manager)
+    engine.on_retired.append(trace.record)
+    print(f"trace: one line per request (digests as ids, never tokens) to {path}", flush=True)
+    return trace
 
 
 def tenant_secret(args: argparse.Namespace) -> bytes | None:

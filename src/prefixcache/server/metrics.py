@@ -6,7 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
@@ -15,15 +15,33 @@ from prefixcache.engine.tier_link import TierLink
 TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOOKUP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+VLLM_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
 class CacheCollector:
     """Reads the cache's own counters at scrape time (no double bookkeeping)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str = "") -> None:
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self):
+        yield from self._ours()
+        yield from vllm_gauges(self.engine, self.model_name)
+
+    def _ours(self):
         manager = self.engine.manager
         stats = manager.stats
         counters = [
@@ -78,6 +96,42 @@ TIER_COUNTERS = (
 )
 
 
+def vllm_gauges(engine: LLMEngine, model_name: str) -> Iterator[Metric]:
+    """The engine's state under vLLM's names, for tools built for vLLM (llm-d, dashboards)."""
+    manager, scheduler = engine.manager, engine.scheduler
+    families = [
+        (GaugeMetricFamily, "num_requests_running", "Requests running", len(scheduler.running)),
+        (GaugeMetricFamily, "num_requests_waiting", "Requests waiting", len(scheduler.waiting)),
+        (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage (1 = full)", manager.usage),
+        (
+            CounterMetricFamily,
+            "prefix_cache_queries",
+            "Prompt tokens looked up",
+            manager.stats.queries,
+        ),
+        (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens hit", manager.stats.hits),
+        (CounterMetricFamily, "num_preemptions", "Preemptions", scheduler.num_preemptions),
+    ]
+    for kind, name, documentation, value in families:
+        family = kind(f"vllm:{name}", documentation, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "KV cache configuration",
+        labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+    )
+    info.add_metric(
+        [
+            str(manager.block_size),
+            str(manager.num_blocks),
+            str(engine.config.enable_prefix_caching),
+        ],
+        1.0,
+    )
+    yield info
+
+
 def tier_metrics(tier: TierLink) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
     """The second tier's counters, rejected values by reason and the breaker's state."""
     stats = tier.client.stats
@@ -113,10 +167,12 @@ def tier_metrics(tier: TierLink) -> Iterator[CounterMetricFamily | GaugeMetricFa
 class ServerMetrics:
     """Per-request observations plus the cache collector, on a private registry."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str = "") -> None:
         self.engine = engine
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(CacheCollector(engine))
+        self.registry.register(CacheCollector(engine, model_name))
+        self.vllm = VllmRequestMetrics(self.registry, model_name)
         self._recent_first_blocks: OrderedDict[str, deque] = OrderedDict()
         metric = {"registry": self.registry, "namespace": "prefixcache"}
         self.requests = Counter(
@@ -175,6 +231,7 @@ class ServerMetrics:
             self.saved_seconds.inc(cached * self.engine.seconds_per_token)
         self.lookup.observe(metrics.lookup_seconds)
         self._check_short_prefix(output.prompt_token_ids, cached, salt)
+        self.vllm.observe(output)
 
     def _check_short_prefix(self, prompt: list[int], cached: int, salt: str) -> None:
         """Count a miss that shares a sub-block prefix with recent traffic of its salt."""
@@ -200,3 +257,67 @@ def _common(left: tuple[int, ...], right: tuple[int, ...]) -> int:
             break
         count += 1
     return count
+
+
+class VllmRequestMetrics:
+    """Per-request histograms and counters under vLLM's names (label ``model_name``)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        common = {"labelnames": ["model_name"], "registry": registry}
+
+        def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
+            return Histogram(f"vllm:{name}", documentation, buckets=buckets, **common)
+
+        self.ttft = histogram("time_to_first_token_seconds", "TTFT", VLLM_TTFT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency", VLLM_LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time waiting", VLLM_LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Prefill", VLLM_LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "Decode", VLLM_LATENCY_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "Mean time per output token", VLLM_TPOT_BUCKETS
+        )
+        self.prompt_lengths = histogram(
+            "request_prompt_tokens", "Prompt tokens", VLLM_TOKEN_BUCKETS
+        )
+        self.output_lengths = histogram(
+            "request_generation_tokens", "Generated tokens", VLLM_TOKEN_BUCKETS
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", **common)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", **common)
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests",
+            labelnames=["model_name", "finished_reason"],
+            registry=registry,
+        )
+
+    def observe(self, output: RequestOutput) -> None:
+        """One finished request: its timings, token counts and finish reasons."""
+        name, m = self.model_name, output.metrics
+        generated = sum(len(o.token_ids) for o in output.outputs)
+        for histogram, seconds in self._phases(output):
+            if seconds is not None:
+                histogram.labels(name).observe(max(seconds, 0.0))
+        if m.first_token_time is not None and m.finished_time is not None and generated > 1:
+            self.tpot.labels(name).observe((m.finished_time - m.first_token_time) / (generated - 1))
+        self.prompt_lengths.labels(name).observe(len(output.prompt_token_ids))
+        self.output_lengths.labels(name).observe(generated)
+        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(name).inc(generated)
+        for o in output.outputs:
+            self.success.labels(name, str(o.finish_reason or "abort")).inc()
+
+    def _phases(self, output: RequestOutput) -> list[tuple[Histogram, float | None]]:
+        m = output.metrics
+
+        def between(start: float | None, end: float | None) -> float | None:
+            return None if start is None or end is None else end - start
+
+        return [
+            (self.ttft, m.ttft),
+            (self.e2e, between(m.arrival_time, m.finished_time)),
+            (self.queue, between(m.arrival_time, m.first_scheduled_time)),
+            (self.prefill, between(m.first_scheduled_time, m.first_token_time)),
+            (self.decode, between(m.first_token_time, m.finished_time)),
+        ]

@@ -1,47 +1,81 @@
-"""Request bodies of the OpenAI API, as far as this server implements them."""
+"""Request bodies of the OpenAI API, as far as this server implements them.
+
+``null`` for any field means its default. Fields that take several shapes (``prompt``,
+``stop``, message ``content``) are checked by hand, so an error names the field and what
+it accepts, never one of pydantic's union branches.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prefixcache.engine.sampling import MAX_N, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE
-
-UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "functions",
-    "logit_bias",
-    "suffix",
-    "best_of",
-    "echo",
-    "response_format",
+from prefixcache.engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_REQUEST_SEED,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MIN_REQUEST_SEED,
 )
 
+MAX_PROMPTS = 64  # prompts in one batched completion request
+UNSUPPORTED = ("tools", "functions", "suffix")  # rejected when set to anything but empty
+TokenIds = list[int]
 
-class StreamOptions(BaseModel):
+
+def _drop_nulls(data: Any) -> Any:
+    """``{"field": null}`` means the field's default."""
+    if isinstance(data, dict):
+        return {key: value for key, value in data.items() if value is not None}
+    return data
+
+
+class NullMeansDefault(BaseModel):
+    """A body in which ``null`` for a field means the field's default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return _drop_nulls(data)
+
+
+class StreamOptions(NullMeansDefault):
     include_usage: bool = False
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: Any = Field(None, validate_default=True)  # str, text parts, or null (assistant)
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: Any) -> str:
+        if value is None or isinstance(value, str):
+            return value or ""
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of text parts")
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"part {i} is {kind!r}: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} has no text string")
+            texts.append(part["text"])
+        return "".join(texts)
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(NullMeansDefault):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -50,52 +84,137 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    min_tokens: int = Field(0, ge=0)
+    stop: Any = Field(None, validate_default=True)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    seed: int | None = Field(None, ge=MIN_REQUEST_SEED, le=MAX_REQUEST_SEED)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP_STRINGS or not all(stops):
-            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+    def _stop_list(cls, value: Any) -> list[str]:
+        stops = [value] if isinstance(value, str) else value if value is not None else []
+        if (
+            not isinstance(stops, list)
+            or len(stops) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise ValueError(
+                f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings"
+            )
         return stops
 
-    def unsupported_field(self) -> str | None:
-        """The first OpenAI field set that this server does not implement."""
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float]) -> dict[str, float]:
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(value)}")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """The first field set to something this server does not do, and why."""
         extra = self.model_extra or {}
-        return next((name for name in UNSUPPORTED if extra.get(name)), None)
+        name = next((name for name in UNSUPPORTED if extra.get(name)), None)
+        if name is not None:
+            return name, f"{name} is not supported by this server"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", f"best_of must equal n ({self.n}): only best_of == n is supported"
+        kind = (self.response_format or {"type": "text"}).get("type")
+        if kind != "text":
+            return (
+                "response_format",
+                f"response_format type {kind!r} is not supported (only 'text')",
+            )
+        return None
+
+    def top_k_limit(self) -> int:
+        return max(self.top_k, 0)
+
+    def bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in self.logit_bias.items()}
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        """Top logprobs per generated token; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported_field()
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("send one prompt per request (a list of 1 string)")
-            value = value[0]
-        if not value:
-            raise ValueError("prompt is empty")
+    def _prompts(cls, value: Any) -> list[str | TokenIds]:
+        """One prompt or a batch: a string, token ids, or a list of either."""
+        if isinstance(value, str) or _is_token_ids(value):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        for i, prompt in enumerate(value):
+            if not (isinstance(prompt, str) or _is_token_ids(prompt)):
+                raise ValueError(f"prompt {i} must be a string or a list of token ids >= 0")
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
         return value
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        """Prompt logprobs (echo with logprobs, as lm-evaluation-harness asks); None: none."""
+        if self.echo and self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.max_tokens == 0 else None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
