@@ -67,8 +67,14 @@ def tiny_model() -> LoadedModel:
 
 
 def tiny_engine(**options: object) -> LLMEngine:
-    """An engine on the tiny model in float64, so batching can't flip a greedy choice."""
+    """An engine on the tiny model in float64, so batching can't flip a greedy choice.
+
+    With a tier, fetches may take up to 5 s unless a test says otherwise: the tiny model's
+    compute is so cheap that the real deadline would make tier hits depend on the load.
+    """
     settings = {"block_size": 4, "num_kv_blocks": 64, "dtype": torch.float64, **options}
+    if "kv_tier" in options and "kv_tier_max_wait" not in options:
+        settings.update(kv_tier_max_wait=5.0, kv_tier_min_wait=5.0)
     return LLMEngine(tiny_model(), EngineConfig(**settings))
 
 

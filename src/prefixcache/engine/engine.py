@@ -72,6 +72,7 @@ class EngineConfig:
     kv_tier: str | None = None  # a second KV tier: "disk:PATH" or "redis://HOST:PORT/DB"
     kv_tier_max_bytes: int | None = None  # the disk tier's size cap (default 4 GiB)
     kv_tier_max_wait: float = 0.5  # seconds a request may wait for its tier blocks, at most
+    kv_tier_min_wait: float = 0.0  # ... and at least (a floor under the estimate)
 
 
 class LLMEngine:
@@ -141,7 +142,8 @@ class LLMEngine:
             {} if config.kv_tier_max_bytes is None else {"max_bytes": config.kv_tier_max_bytes}
         )
         client = open_tier(config.kv_tier, block_format(self.manager, self.kv_store), **options)
-        return TierLink(client, self.manager, self.kv_store, config.kv_tier_max_wait)
+        waits = (config.kv_tier_min_wait, config.kv_tier_max_wait)
+        return TierLink(client, self.manager, self.kv_store, *waits)
 
     def set_event_sink(self, sink: EventSink, token_ids: bool = False) -> None:
         """Report KV events to ``sink``: the pool's, and the tier's with its medium."""

@@ -51,11 +51,13 @@ class TierLink:
         client: TierClient,
         manager: KVCacheManager,
         kv_store: KVStore,
+        min_wait: float = 0.0,
         max_wait: float = 0.5,
     ) -> None:
         self.client = client
         self.manager = manager
         self.kv_store = kv_store
+        self.min_wait = min(min_wait, max_wait)  # seconds a request may always wait
         self.max_wait = max_wait  # seconds a request may wait for its blocks, at most
         self.seconds_per_token: float | None = None  # the engine's measured prefill speed
         self.timeouts = 0  # fetches given up at their deadline
@@ -72,7 +74,7 @@ class TierLink:
         future = self.client.start_fetch(digests[first:], depth0=first)
         wanted = (len(digests) - first) * self.manager.block_size
         rate = self.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
-        wait = min(self.max_wait, DEADLINE_SHARE * rate * wanted)
+        wait = min(self.max_wait, max(self.min_wait, DEADLINE_SHARE * rate * wanted))
         request.tier_fetch = PendingFetch(first, future, time.perf_counter() + wait)
 
     def ready(self, branch: Branch) -> bool:
