@@ -33,7 +33,7 @@ from prefixcache.router.replicas import (
     Fleet,
 )
 from prefixcache.router.routing import DEFAULT_EXPECT_GRACE_S, Router
-from prefixcache.server.app import ApiError
+from prefixcache.server.app import ApiError, internal_error
 from prefixcache.server.auth import AuthError, Tenant, Tenants
 
 log = logging.getLogger("prefixcache.router")
@@ -151,23 +151,9 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="prefixcache router", lifespan=lifespan)
     app.state.router = state
     app.add_exception_handler(ApiError, lambda _, error: error.response())
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(Exception, internal_error)
     _add_routes(app, state)
     return app
-
-
-def _internal_error(request: Request, error: Exception) -> JSONResponse:
-    """A bug of ours: log the type and path, never the body."""
-    log.error("internal error on %s: %s", request.url.path, type(error).__name__, exc_info=error)
-    body = {
-        "error": {
-            "message": "internal server error",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
-    return JSONResponse(body, status_code=500)
 
 
 def _add_routes(app: FastAPI, state: RouterState) -> None:

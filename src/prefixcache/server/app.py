@@ -101,7 +101,7 @@ def create_app(
     app.state.server = server
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(Exception, internal_error)
     _add_routes(app, server)
     return app
 
@@ -141,7 +141,7 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     return response
 
 
-def _internal_error(request: Request, error: Exception) -> JSONResponse:
+def internal_error(request: Request, error: Exception) -> JSONResponse:
     """A bug of ours, not the client's input: log the type and path, never the body."""
     log.error("internal error on %s: %s", request.url.path, type(error).__name__, exc_info=error)
     body = {
