@@ -10,6 +10,7 @@ from prefixcache.router.cli import add_route_parser, run_route
 from prefixcache.router.cluster import add_cluster_parser, run_cluster
 from prefixcache.server.cli import add_serve_parser, run_serve
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
+from prefixcache.sim.synth_cli import add_synth_parser, run_synth
 from prefixcache.tools.audit import add_audit_parser, run_audit
 from prefixcache.tools.explain import add_explain_parser, run_explain
 from prefixcache.tools.export_tokenizer import add_export_tokenizer_parser, run_export_tokenizer
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_route_parser(commands)
     add_cluster_parser(commands)
     add_simulate_parser(commands)
+    add_synth_parser(commands)
     add_explain_parser(commands)
     add_verify_parser(commands)
     add_audit_parser(commands)
@@ -61,6 +63,7 @@ COMMANDS = {
     "verify": run_verify,
     "audit-timing": run_audit,
     "export-tokenizer": run_export_tokenizer,
+    "synth-trace": run_synth,
 }
 
 

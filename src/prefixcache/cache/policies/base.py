@@ -1,0 +1,43 @@
+"""The interface every eviction policy implements, and where a free block is held."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prefixcache.cache.block_pool import Block
+
+ALL_SIGNALS = frozenset({"seen", "last", "depth"})  # every class feature (plus leaf-first)
+DEFAULT_SIGNALS = frozenset({"seen", "last"})  # depth splits classes without paying (README)
+
+NOWHERE, DOOMED, PROBATION, PROTECTED = -1, 0, 1, 2  # where a free block is held
+FROM_DOOMED, FROM_PROBATION, FROM_PROTECTED = 0, 1, 2  # the ghost list an eviction joins
+
+
+class EvictionPolicy:
+    """Orders the free cached blocks of one pool (see the module docstring for the events)."""
+
+    name = ""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def touch(self, blocks: list[Block]) -> None:
+        raise NotImplementedError
+
+    def insert(self, blocks: list[Block]) -> None:
+        raise NotImplementedError
+
+    def pop_victim(self) -> Block:
+        raise NotImplementedError
+
+    def clear(self) -> list[Block]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Block]:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """AssertionError if the policy's own structures are inconsistent."""
