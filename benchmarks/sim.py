@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from prefixcache.cache.index import INDEX_NAMES
-from prefixcache.cache.policy import POLICY_NAMES
+from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.sim.replay import replay
 from prefixcache.sim.traces import load_trace
 

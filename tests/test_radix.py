@@ -14,7 +14,7 @@ from prefixcache import CapacityError, KVCacheManager
 from prefixcache.cache.block_pool import Block
 from prefixcache.cache.hashing import ROOT_UID
 from prefixcache.cache.index import HashIndex, make_index
-from prefixcache.cache.policy import POLICY_NAMES
+from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.cache.radix import RadixIndex
 from prefixcache.sim.replay import replay
 from prefixcache.sim.traces import load_trace

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REAL_TRACE
-from prefixcache.cache.policy import POLICY_NAMES
+from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.sim.belady import belady_hits, infinite_hits, next_uses
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
 from prefixcache.sim.replay import block_references, replay

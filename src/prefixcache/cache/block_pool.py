@@ -13,7 +13,7 @@ from prefixcache.cache.stats import CacheStats
 
 if TYPE_CHECKING:
     from prefixcache.cache.events import EventSink
-    from prefixcache.cache.policy import EvictionPolicy
+    from prefixcache.cache.policies import EvictionPolicy
 
 
 class Block:

@@ -22,7 +22,7 @@ from prefixcache.cache.hashing import (
 )
 from prefixcache.cache.index import DEFAULT_INDEX, PrefixIndex, make_index
 from prefixcache.cache.path_memo import PathMemo
-from prefixcache.cache.policy import DEFAULT_POLICY, make_policy
+from prefixcache.cache.policies import DEFAULT_POLICY, make_policy
 from prefixcache.cache.sequence import ChainKeys, Sequence
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.validation import (

@@ -14,7 +14,7 @@ from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.events import EventSink
 from prefixcache.cache.index import DEFAULT_INDEX
 from prefixcache.cache.observer import KeyLogObserver
-from prefixcache.cache.policy import DEFAULT_POLICY
+from prefixcache.cache.policies import DEFAULT_POLICY
 from prefixcache.cache.validation import check_fits
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,

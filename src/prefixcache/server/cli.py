@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prefixcache.argtypes import positive_int
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import DEFAULT_INDEX, INDEX_NAMES
-from prefixcache.cache.policy import DEFAULT_POLICY, POLICY_NAMES
+from prefixcache.cache.policies import DEFAULT_POLICY, POLICY_NAMES
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
