@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from prefixcache.argtypes import positive_int
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import INDEX_NAMES
-from prefixcache.cache.policy import POLICY_NAMES
+from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.sim.replay import Progress
 
 if TYPE_CHECKING:
@@ -33,6 +33,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     )
     parser.add_argument("trace", help="JSONL trace: Mooncake (hash_ids) or ours (token_ids)")
     _add_sweep_options(parser)
+    parser.add_argument(
+        "--recommend", action="store_true",
+        help="replay every policy from a quarter to four times each --capacity and name the "
+        "one never below LRU there and best at that capacity",
+    )  # fmt: skip
     parser.add_argument("--no-optimum", action="store_true", help="skip Belady's bound")
     parser.add_argument("--out", help="write every result to a .json or .csv file")
     parser.add_argument("--plot", help="write hit rate vs capacity to a PNG")
@@ -97,6 +102,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from prefixcache.sim import report as reporting
+    from prefixcache.sim.recommend import format_recommendations, sweep_plan
     from prefixcache.sim.replay import check_capacity
     from prefixcache.sim.sweep import run_sweep
     from prefixcache.sim.traces import load_trace
@@ -109,18 +115,21 @@ def _simulate(args: argparse.Namespace) -> int:
         from prefixcache.sim.cluster_report import run_cluster_simulation
 
         return run_cluster_simulation(trace, args)
-    total = len(trace.requests) * len(args.capacity) * len(args.policy) * len(args.index)
+    capacities, policies = sweep_plan(trace, args)
+    total = len(trace.requests) * len(capacities) * len(policies) * len(args.index)
     with progress_bar(total, args.quiet) as progress:
         report = run_sweep(
             trace,
-            args.capacity,
-            list(dict.fromkeys(args.policy)),
+            capacities,
+            policies,
             list(dict.fromkeys(args.index)),
             block_size=args.block_size,
             optimum=not args.no_optimum,
             progress=progress,
         )
     print(reporting.format_report(report))
+    if args.recommend:
+        print(format_recommendations(report, args.capacity, args.index[0]))
     _write_outputs(report, args)
     return 0 if reporting.same_hits(report) else 1
 

@@ -147,12 +147,16 @@ def _replay_tokens(
         counts[1] += hit
 
 
+def largest_request(trace: Trace, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The most blocks one prompt needs."""
+    if trace.kind == "mooncake":
+        return max((len(r.hash_ids) for r in trace.requests), default=0)
+    return max((cdiv(len(r.token_ids), block_size) for r in trace.requests), default=0)
+
+
 def check_capacity(trace: Trace, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """ValueError unless every prompt fits in ``capacity`` blocks."""
-    if trace.kind == "mooncake":
-        largest = max((len(r.hash_ids) for r in trace.requests), default=0)
-    else:
-        largest = max((cdiv(len(r.token_ids), block_size) for r in trace.requests), default=0)
+    largest = largest_request(trace, block_size)
     if capacity < max(largest, 1):
         raise ValueError(f"capacity {capacity} is below the largest request ({largest} blocks)")
 

@@ -36,6 +36,12 @@ class SweepReport:
                 return item
         raise KeyError((capacity, policy, index))
 
+    def restricted(self, capacities: list[int]) -> SweepReport:
+        """The same report with only the results (and optima) at ``capacities``."""
+        keep = set(capacities)
+        results = [run for run in self.results if run.capacity in keep]
+        return SweepReport(self.trace, results, [o for o in self.optimum if o.capacity in keep])
+
 
 def summarize(trace: Trace, block_size: int) -> dict:
     """Requests, block references, distinct blocks and the unbounded cache's hit rate."""
