@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/tier.py
 	$(BIN)/python benchmarks/cluster.py
+	$(BIN)/python benchmarks/policies.py
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab
