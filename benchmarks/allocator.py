@@ -5,6 +5,11 @@ block size 16; each is admitted, prefilled (commit), decodes 32 tokens (append +
 per step), then is freed. The reference is what every peer pays before any allocator
 work: the prompt's token ids to bytes, then hashlib.sha256 chained over its full blocks.
 Both are timed in alternating rounds of the same run; the ratio of medians is printed.
+
+Owners (issue 11): the same cycle with an owner given but fairness off, through a fair pool
+with one owner, and through a fair pool with two owners (each with its own salt, so two
+prefixes are cached), interleaved per request with the plain run; each one's time over the
+plain run's is printed (median of rounds). One owner must cost nothing measurable.
 """
 
 from __future__ import annotations
@@ -34,9 +39,23 @@ def make_prompts(num_requests: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def request_cycle(manager: KVCacheManager, request_id: str, prompt: list[int]) -> int:
+OWNER_VARIANTS = [  # (name, manager options, admit options of request i)
+    ("no owners", {}, lambda i: {}),
+    ("owner given, fairness off", {}, lambda i: {"owner": "acme"}),
+    ("fair pool, one owner", {"owner_shares": {}}, lambda i: {"owner": "acme"}),
+    (
+        "fair pool, two owners",
+        {"owner_shares": {}},
+        lambda i: {"owner": "ab"[i % 2], "cache_salt": "ab"[i % 2]},
+    ),
+]
+
+
+def request_cycle(
+    manager: KVCacheManager, request_id: str, prompt: list[int], **admit: object
+) -> int:
     """Admit, prefill (commit), decode (append + commit per step), free; cached tokens."""
-    seq = manager.admit(request_id, prompt)
+    seq = manager.admit(request_id, prompt, **admit)
     manager.commit(seq, len(prompt))
     for step in range(DECODE_STEPS):
         manager.append(seq, [step])
@@ -55,25 +74,35 @@ def sha256_chain(prompt: list[int]) -> bytes:
     return digest
 
 
-def measure_round(prompts: list[list[int]]) -> tuple[float, float, int]:
-    """One round, ours and the reference alternating per request: (ours s, ref s, hits).
+def measure_round(prompts: list[list[int]]) -> tuple[float, float, int, list[float]]:
+    """One round, ours, the reference and the owner variants alternating per request:
+    (ours s, ref s, hits, seconds of each owner variant; the first is ours again).
 
-    Alternating per request keeps the two under the same machine conditions.
+    Alternating per request keeps them all under the same machine conditions.
     """
-    manager = KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE)
+    managers = [
+        KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE, **options)
+        for _, options, _ in OWNER_VARIANTS
+    ]
     clock = time.perf_counter
-    ours = reference = 0.0
+    variants = [0.0] * len(managers)
+    reference = 0.0
     cached = 0
     for index, prompt in enumerate(prompts):
-        start = clock()
-        cached += request_cycle(manager, f"r{index}", prompt)
+        for turn in range(len(managers)):
+            which = (index + turn) % len(managers)  # rotate who goes first
+            admit = OWNER_VARIANTS[which][2](index)
+            start = clock()
+            hits = request_cycle(managers[which], f"r{index}", prompt, **admit)
+            variants[which] += clock() - start
+            cached += hits if which == 0 else 0
         middle = clock()
         sha256_chain(prompt)
         reference += clock() - middle
-        ours += middle - start
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
-    return ours, reference, cached
+    for manager in managers:
+        manager.check_invariants()
+        assert manager.num_free_blocks == manager.num_blocks
+    return variants[0], reference, cached, variants
 
 
 def main() -> None:
@@ -83,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = make_prompts(args.requests)
     rounds = [measure_round(prompts) for _ in range(args.rounds)]
-    ratio = statistics.median(ours / reference for ours, reference, _ in rounds)
+    ratio = statistics.median(ours / reference for ours, reference, _, _ in rounds)
     per_request = 1e6 / args.requests
     ours_us = statistics.median(r[0] for r in rounds) * per_request
     reference_us = statistics.median(r[1] for r in rounds) * per_request
@@ -96,6 +125,10 @@ def main() -> None:
     print(f"  prefixcache admit+commit+decode+free: {ours_us:8.1f} us/request")
     print(f"  bare sha256 chain over prompt blocks: {reference_us:8.1f} us/request")
     print(f"  ratio ours/sha256 chain (median of rounds): {ratio:.2f} (goal <= 1.0)")
+    print("  owners, time over the plain run (median of rounds; goal for one owner: 1.00):")
+    for number, (name, _, _) in enumerate(OWNER_VARIANTS[1:], start=1):
+        owner_ratio = statistics.median(r[3][number] / r[3][0] for r in rounds)
+        print(f"    {name:<28} {owner_ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ engine writes K/V. After every step each live sequence must read back exactly it
 computed tokens through its block table: a block evicted while in use, a stale mapping,
 a shared block written without copy-on-write, all show up as another request's tokens.
 The machine also subscribes to the KV events: the digests they add and remove must always
-be exactly those of the pool's indexed blocks.
+be exactly those of the pool's indexed blocks. Requests belong to owners; the ``Fair``
+variants give the pool owner shares, and ``check_invariants`` then also proves the
+per-owner counts add up to the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ BASES = [
 ]
 TAILS = st.lists(st.integers(0, 3), max_size=9)
 SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
+OWNERS = st.sampled_from([None, "a", "b", "c"])  # owners may share a salt (and its blocks)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -45,6 +48,7 @@ class CacheMachine(RuleBasedStateMachine):
     hash_algo = "sha256"
     eviction_policy = "lru"
     index = "hash"
+    owner_shares: dict[str, float] | None = None  # None: owners are ignored (not fair)
     sequences = Bundle("sequences")
 
     def __init__(self) -> None:
@@ -55,6 +59,7 @@ class CacheMachine(RuleBasedStateMachine):
             hash_algo=self.hash_algo,
             eviction_policy=self.eviction_policy,
             index=self.index,
+            owner_shares=self.owner_shares,
         )
         self.shadow: dict[tuple[int, int], int] = {}
         self.next_id = 0
@@ -77,13 +82,13 @@ class CacheMachine(RuleBasedStateMachine):
     def _slot(self, seq, position: int) -> tuple[int, int]:
         return seq.block_table[position // self.block_size], position % self.block_size
 
-    @rule(target=sequences, base=st.sampled_from(BASES), tail=TAILS, salt=SALTS)
-    def admit(self, base, tail, salt):
+    @rule(target=sequences, base=st.sampled_from(BASES), tail=TAILS, salt=SALTS, owner=OWNERS)
+    def admit(self, base, tail, salt, owner):
         tokens = base + tail or [0]
         free_before = self.manager.num_free_blocks
         expected_hit = self.manager.match(tokens, cache_salt=salt)
         try:
-            seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt)
+            seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt, owner=owner)
         except CapacityError:
             assert cdiv(len(tokens), self.block_size) > self.num_blocks
             return multiple()  # nothing to add
@@ -178,6 +183,14 @@ VARIANTS = {
     "Radix": (CacheMachine, {"index": "radix"}),
     "RadixSmallBlock": (SmallBlockMachine, {"index": "radix"}),  # runs split, cut, detached
     "RadixARC": (SmallBlockMachine, {"index": "radix", "eviction_policy": "arc"}),
+    # Fair pools: one policy per owner, victims from the owner most over its share.
+    "FairEqual": (CacheMachine, {"owner_shares": {}}),
+    "FairShares": (SmallBlockMachine, {"owner_shares": {"a": 0.5, "b": 0.25}}),
+    "FairARC": (SmallBlockMachine, {"owner_shares": {"a": 0.7}, "eviction_policy": "arc"}),
+    "FairSLRU": (SmallBlockMachine, {"owner_shares": {}, "eviction_policy": "slru"}),
+    "FairLFUDA": (SmallBlockMachine, {"owner_shares": {"c": 1.0}, "eviction_policy": "lfuda"}),
+    "FairSignals": (SmallBlockMachine, {"owner_shares": {}, "eviction_policy": "signals"}),
+    "FairRadix": (SmallBlockMachine, {"owner_shares": {"b": 0.5}, "index": "radix"}),
 }
 STATEFUL_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestCacheMachine = CacheMachine.TestCase

@@ -175,8 +175,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_queue.size
 
-    def allocate(self, count: int) -> list[Block]:
-        """Take ``count`` blocks from the head, evicting whatever they cached."""
+    def allocate(self, count: int, owner: int = 0) -> list[Block]:
+        """Take ``count`` blocks from the head, evicting whatever they cached.
+
+        ``owner`` (an owner id) matters only to a fair pool (``FairBlockPool``).
+        """
         assert count <= self.free_queue.size, "allocate beyond the free blocks"
         taken = []
         popleft = self.free_queue.popleft
@@ -237,7 +240,7 @@ class BlockPool:
                 unlinked += 1
         self.free_queue.size -= unlinked
 
-    def release(self, blocks: Iterable[Block]) -> None:
+    def release(self, blocks: Iterable[Block], owner: int = 0) -> None:
         """Drop one reference each, in the order given; refcount 0 goes to the queue.
 
         Cached blocks are spliced onto the tail as one run, in the order given (evicted
@@ -318,7 +321,7 @@ class PolicyBlockPool(BlockPool):
     def num_free_blocks(self) -> int:
         return self.free_queue.size + len(self.policy)
 
-    def allocate(self, count: int) -> list[Block]:
+    def allocate(self, count: int, owner: int = 0) -> list[Block]:
         """Take ``count`` blocks: empty ones first, then the policy's victims."""
         assert count <= self.num_free_blocks, "allocate beyond the free blocks"
         taken = []
@@ -342,7 +345,7 @@ class PolicyBlockPool(BlockPool):
         for block in blocks:
             block.ref_cnt += 1
 
-    def release(self, blocks: Iterable[Block]) -> None:
+    def release(self, blocks: Iterable[Block], owner: int = 0) -> None:
         """Drop a reference each; at 0, cached blocks go to the policy (in order), others first."""
         cached = []
         for block in blocks:

@@ -9,6 +9,7 @@ from prefixcache.cache.common import cdiv, require
 
 if TYPE_CHECKING:
     from prefixcache.cache.block_pool import FreeBlockQueue
+    from prefixcache.cache.fair_pool import FairPool
     from prefixcache.cache.manager import KVCacheManager
     from prefixcache.cache.sequence import Sequence
 
@@ -20,19 +21,30 @@ def check(manager: KVCacheManager) -> None:
     _check_index(manager)
     _check_duplicates(manager)
     _check_event_counts(manager)
+    _check_owners(manager, free_ids)
     for seq in manager.sequences.values():
         _check_sequence(manager, seq)
 
 
+def _policies(pool: object) -> list:
+    """The eviction policies holding the pool's free cached blocks (none: the LRU pool)."""
+    parts = getattr(pool, "parts", None)  # a fair pool: one per owner
+    if parts is not None:
+        return parts
+    policy = getattr(pool, "policy", None)
+    return [] if policy is None else [policy]
+
+
 def _check_free_queue(manager: KVCacheManager) -> set[int]:
-    """The free blocks (queue, and the eviction policy if any) are consistent, once each."""
+    """The free blocks (queue, and the eviction policies if any) are consistent, once each."""
     pool = manager.pool
     free_ids = check_queue(pool.free_queue, "free queue")
-    policy = getattr(pool, "policy", None)
-    if policy is not None:
+    policies = _policies(pool)
+    if policies or getattr(pool, "parts", None) is not None:
         for block_id in free_ids:
             block = pool.blocks[block_id]
-            require(block.key is None, f"{policy.name}: cached {block} in the empty queue")
+            require(block.key is None, f"free: cached {block} in the empty queue")
+    for policy in policies:
         policy.check()
         for block in policy:
             require(block.block_id not in free_ids, f"free: {block} is held twice")
@@ -122,6 +134,42 @@ def _check_duplicates(manager: KVCacheManager) -> None:
                 block.block_id in listed,
                 f"rule 8: {block} holds an identity but is neither indexed nor a duplicate",
             )
+
+
+def _check_owners(manager: KVCacheManager, free_ids: set[int]) -> None:
+    """A fair pool: each owner's blocks are charged to it, and the counts add up to the pool."""
+    pool, owners = manager.pool, manager.owners
+    if owners is None:
+        return
+    held = pool.held_counts()
+    require(len(held) <= len(owners.names), f"owners: {len(held)} counts for {owners.names}")
+    if pool.parts is not None:
+        _check_owner_parts(pool, sum(held))
+    cached = sum(1 for block_id in free_ids if pool.blocks[block_id].key is not None)
+    used, empty = manager.num_blocks - len(free_ids), len(free_ids) - cached
+    require(
+        used + empty + sum(held) == manager.num_blocks,
+        f"owners: {used} used + {empty} empty + {sum(held)} held by owners "
+        f"!= {manager.num_blocks} blocks",
+    )
+    usage = pool.usage()
+    suffered = sum(owner.evictions_suffered for owner in usage)
+    caused = sum(owner.evictions_caused for owner in usage)
+    counted = manager.stats.evictions
+    require(
+        suffered == caused == counted,
+        f"owners: {suffered} evictions suffered, {caused} caused, {counted} counted",
+    )
+    require(sum(owners.shares) <= 1 + 1e-9, f"owners: shares sum to {sum(owners.shares)}")
+
+
+def _check_owner_parts(pool: FairPool, held: int) -> None:
+    """After the split: every block in an owner's policy is charged to that owner."""
+    for owner, part in enumerate(pool.parts):
+        for block in part:
+            charged = pool.holder[block.block_id]
+            require(charged == owner, f"owners: owner {owner} holds {block}, charged to {charged}")
+    require(held == pool.num_cached_free, f"owners: {held} held, {pool.num_cached_free} counted")
 
 
 def _check_event_counts(manager: KVCacheManager) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,7 @@ from prefixcache.cache import integrity
 from prefixcache.cache.block_pool import Block, BlockPool, PolicyBlockPool
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, cdiv
 from prefixcache.cache.events import MEDIUM_POOL, AllBlocksCleared, BlockStored
+from prefixcache.cache.fair_pool import FairPool, make_fair_pool
 from prefixcache.cache.hashing import (
     ROOT_UID,
     Extras,
@@ -21,6 +23,7 @@ from prefixcache.cache.hashing import (
     namespace_digest,
 )
 from prefixcache.cache.index import DEFAULT_INDEX, PrefixIndex, make_index
+from prefixcache.cache.owners import Owners, OwnerUsage
 from prefixcache.cache.path_memo import PathMemo
 from prefixcache.cache.policies import DEFAULT_POLICY, make_policy
 from prefixcache.cache.sequence import ChainKeys, Sequence
@@ -43,7 +46,8 @@ class KVCacheManager:
 
     Capacity is checked before any side effect, and hits are touched before any
     allocation, so an admission that fails changes nothing and a request never evicts
-    the prefix it has just found.
+    the prefix it has just found. With ``owner_shares`` (``{}``: equal shares) the pool is
+    tenant-fair: see ``FairBlockPool``; without it, owners are ignored and nothing changes.
     """
 
     _event_sink: EventSink | None = None  # see set_event_sink
@@ -59,6 +63,7 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         eviction_policy: str = DEFAULT_POLICY,
         index: str = DEFAULT_INDEX,
+        owner_shares: Mapping[str, float] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -77,8 +82,9 @@ class KVCacheManager:
         self.root_digest = namespace_digest(self.namespace, self._hash_fn)
         self.stats = CacheStats(min_free_blocks=num_blocks)
         self.pool = _make_pool(
-            num_blocks, self.stats, eviction_policy, make_index(index, block_size)
+            num_blocks, self.stats, eviction_policy, make_index(index, block_size), owner_shares
         )
+        self.owners: Owners | None = getattr(self.pool, "owners", None)  # None: not fair
         self.eviction_policy, self.index = eviction_policy, index
         self._walk = self.pool.cached.walk  # rule 4: extend hits through the index
         self.sequences: dict[str, Sequence] = {}
@@ -128,6 +134,10 @@ class KVCacheManager:
     def usage(self) -> float:
         """Share of blocks held by live requests."""
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def owner_usage(self) -> list[OwnerUsage]:
+        """Per owner: share, free cached blocks, evictions suffered and caused ([]: not fair)."""
+        return self.pool.usage() if isinstance(self.pool, FairPool) else []
 
     def match(
         self,
@@ -182,16 +192,19 @@ class KVCacheManager:
         *,
         cap_last_token: bool = True,
         min_hit_tokens: int = 0,
+        owner: str | None = None,
     ) -> Sequence | None:
         """Allocate a request's blocks, reusing its cached prefix; None if it cannot fit.
 
         Raises CapacityError when the prompt needs more blocks than the whole pool.
         ``cap_last_token=False`` lifts rule 10 (trace replay: no logits are needed).
         A hit shorter than ``min_hit_tokens`` is treated as a miss and recomputed, so a
-        prompt cannot be probed for reuse a block at a time.
+        prompt cannot be probed for reuse a block at a time. ``owner`` (a tenant) is who
+        its blocks are charged to once freed, in a fair pool.
         """
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already admitted")
+        check_optional_str("owner", owner)
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         num_tokens = len(token_ids)
         check_fits(num_tokens, self.block_size, self.num_blocks)
@@ -202,8 +215,9 @@ class KVCacheManager:
         if not self._can_allocate(num_needed - len(hits), hits):
             self.stats.failed_admissions += 1
             return None
+        owner_id = 0 if self.owners is None else self.owners.id_of(owner)
         self.pool.touch(hits)  # before allocate: never evict the prefix just found
-        blocks = hits + self.pool.allocate(num_needed - len(hits))
+        blocks = hits + self.pool.allocate(num_needed - len(hits), owner_id)
         keys = ChainKeys(
             token_bytes,
             extras,
@@ -214,7 +228,9 @@ class KVCacheManager:
             tuple(mm_items),
             cap_last_token,
         )
-        seq = Sequence(request_id, self.block_size, list(token_ids), blocks, keys, len(hits))
+        seq = Sequence(
+            request_id, self.block_size, list(token_ids), blocks, keys, len(hits), owner_id
+        )
         self.sequences[request_id] = seq
         self._count_admission(num_tokens, seq.num_cached_tokens)
         if self.observer is not None:
@@ -281,7 +297,7 @@ class KVCacheManager:
             return False
         if copy_on_write:
             self._copy_last_block(seq)
-        new_blocks = self.pool.allocate(num_new)
+        new_blocks = self.pool.allocate(num_new, seq.owner)
         seq.blocks.extend(new_blocks)
         seq.block_table.extend(block.block_id for block in new_blocks)
         return True
@@ -301,7 +317,7 @@ class KVCacheManager:
         self._check_live(seq)
         if self.observer is not None:
             self.observer.freed(seq)
-        self.pool.release(reversed(seq.blocks))
+        self.pool.release(reversed(seq.blocks), seq.owner)
         del self.sequences[seq.request_id]
         seq.blocks = []
         seq.block_table = []
@@ -425,9 +441,9 @@ class KVCacheManager:
 
     def _copy_last_block(self, seq: Sequence) -> None:
         """Copy-on-write: give ``seq`` a private copy of its shared partial last block."""
-        (copy,) = self.pool.allocate(1)
+        (copy,) = self.pool.allocate(1, seq.owner)
         shared = seq.blocks[-1]
-        self.pool.release([shared])
+        self.pool.release([shared], seq.owner)
         seq.blocks[-1] = copy
         seq.block_table[-1] = copy.block_id
         self._pending_copies.append((shared.block_id, copy.block_id))
@@ -445,9 +461,16 @@ class KVCacheManager:
 
 
 def _make_pool(
-    num_blocks: int, stats: CacheStats, policy_name: str, index: PrefixIndex
+    num_blocks: int,
+    stats: CacheStats,
+    policy_name: str,
+    index: PrefixIndex,
+    owner_shares: Mapping[str, float] | None,
 ) -> BlockPool:
-    """The LRU pool (the free queue itself), or a pool driven by another eviction policy."""
+    """The LRU pool (the free queue itself), a pool driven by another eviction policy, or,
+    with owner shares, a fair pool with one such policy per owner."""
+    if owner_shares is not None:
+        return make_fair_pool(num_blocks, stats, Owners(owner_shares), policy_name, index)
     policy = make_policy(policy_name, num_blocks)
     if policy is None:
         return BlockPool(num_blocks, stats, index)

@@ -37,6 +37,7 @@ class Sequence:
     blocks: list[Block]
     keys: ChainKeys
     num_cached_blocks: InitVar[int] = 0  # leading blocks served from cache at admission
+    owner: int = 0  # the owner id its freed blocks are charged to (a fair pool's)
     block_table: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
     num_cached_tokens: int = field(init=False)  # served from cache
@@ -70,7 +71,12 @@ class Sequence:
     def clone(self, request_id: str) -> Sequence:
         """A copy sharing the same blocks (the caller takes the extra references)."""
         child = Sequence(
-            request_id, self.block_size, list(self.token_ids), list(self.blocks), self.keys
+            request_id,
+            self.block_size,
+            list(self.token_ids),
+            list(self.blocks),
+            self.keys,
+            owner=self.owner,
         )
         child.num_cached_tokens = self.num_cached_tokens
         child.num_computed_tokens = self.num_computed_tokens

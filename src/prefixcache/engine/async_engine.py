@@ -28,6 +28,7 @@ class AddRequest:
     min_hit_tokens: int = 0
     zero_on_evict: bool = False
     use_tier: bool = True
+    owner: str | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ class AsyncLLMEngine:
         min_hit_tokens: int = 0,
         zero_on_evict: bool = False,
         use_tier: bool = True,
+        owner: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Snapshots of the request as it advances; the last one has ``finished``.
 
@@ -127,7 +129,7 @@ class AsyncLLMEngine:
         """
         add = AddRequest(
             request_id, prompt_token_ids, params, cache_salt, min_hit_tokens, zero_on_evict,
-            use_tier,
+            use_tier, owner,
         )  # fmt: skip
         stream = await self.open(add)
         try:
@@ -232,6 +234,7 @@ class AsyncLLMEngine:
                 min_hit_tokens=command.min_hit_tokens,
                 zero_on_evict=command.zero_on_evict,
                 use_tier=command.use_tier,
+                owner=command.owner,
             )
             return None
         if isinstance(command, AbortRequest):

@@ -74,6 +74,7 @@ class EngineConfig:
     kv_tier_max_wait: float = 0.5  # seconds a request may wait for its tier blocks, at most
     kv_tier_min_wait: float = 0.0  # ... and at least (a floor under the estimate)
 
+    owner_shares: dict[str, float] | None = None  # fair cache: owner -> share ({}: equal)
 
 class LLMEngine:
     """The synchronous core: add requests, call ``step()`` until they finish."""
@@ -112,6 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.manager,
             config.max_num_seqs,
+            owner_shares=config.owner_shares,
             config.max_num_batched_tokens,
             cache_aware=config.cache_aware_scheduling,
             loader=self.tier,
@@ -189,9 +191,11 @@ class LLMEngine:
 
         A cache hit shorter than ``min_hit_tokens`` counts as a miss; with ``zero_on_evict``
         the request's blocks are zeroed before their slots are reused; with ``use_tier``
-        off it neither reads nor writes the second KV tier. A request that asks for prompt
-        logprobs computes its whole prompt (a cached prefix has no logits): its own hit is
-        skipped and the tier is not used, while the blocks it computes are shared as usual.
+        owner: str | None = None,
+        off it neither reads nor writes the second KV tier. ``owner`` (a tenant) is whose
+        cache share its blocks count against. A request that asks for prompt logprobs
+        computes its whole prompt (a cached prefix has no logits): its own hit is skipped and
+        the tier is not used, while the blocks it computes are shared as usual.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
@@ -221,6 +225,7 @@ class LLMEngine:
             self.tier.prefetch(request)
         self.scheduler.add(request.branches[0])
         self.requests[request_id] = request
+            owner=owner,
         return request
 
     def _check_prompt(self, prompt: list[int]) -> None:

@@ -97,6 +97,7 @@ class Request:
         zero_on_evict: bool = False,
         new_decoder: Callable[[], IncrementalDecoder] | None = None,
         use_tier: bool = True,
+        owner: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -108,6 +109,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_cached_tokens: int | None = None  # at first admission, pool and tier
         self.use_tier = use_tier  # read and write the second KV tier, if there is one
+        self.owner = owner  # whose cache share its freed blocks count against (fair cache)
         self.num_tier_tokens = 0  # of the cached tokens, those loaded from the tier
         self.tier_fetch: PendingFetch | None = None  # its prompt blocks on their way
         self._new_decoder = new_decoder  # None: token ids only (scheduler tests)

@@ -126,6 +126,7 @@ class Scheduler:
             branch.token_ids,
             cache_salt=request.cache_salt,
             min_hit_tokens=request.min_hit_tokens,
+            owner=request.owner,
         )
         request.metrics.lookup_seconds += time.perf_counter() - start
         if seq is None:

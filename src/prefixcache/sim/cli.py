@@ -20,6 +20,7 @@ from prefixcache.sim.replay import Progress
 
 if TYPE_CHECKING:
     from prefixcache.sim.sweep import SweepReport
+    from prefixcache.sim.traces import Trace
 
 DEFAULT_CAPACITIES = [1000, 5000, 20000]
 
@@ -42,8 +43,35 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument("--out", help="write every result to a .json or .csv file")
     parser.add_argument("--plot", help="write hit rate vs capacity to a PNG")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_tenant_options(parser)
     _add_cluster_options(parser)
     return parser
+
+
+def _add_tenant_options(parser: argparse.ArgumentParser) -> None:
+    """Tenants: split a trace into K of them; replay it through a fair pool too."""
+    parser.add_argument(
+        "--tenants", type=positive_int, metavar="K",
+        help="split the trace into K tenants by a hash of each request's first block "
+        "(replaces its tenant fields)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache-share", type=share_arg, nargs="+", default=[], metavar="TENANT=SHARE",
+        help="cache shares for the fair replay (the rest split equally; default: all equal)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-fairness", action="store_true",
+        help="with 2+ tenants, skip the fair-pool replay and its per-tenant table",
+    )  # fmt: skip
+
+
+def share_arg(text: str) -> tuple[str, float]:
+    """``TENANT=SHARE``, the share a number (checked with the others when the pool is built)."""
+    name, _, share = text.rpartition("=")
+    try:
+        return name, float(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TENANT=SHARE, got {text!r}") from None
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -105,11 +133,13 @@ def _simulate(args: argparse.Namespace) -> int:
     from prefixcache.sim.recommend import format_recommendations, sweep_plan
     from prefixcache.sim.replay import check_capacity
     from prefixcache.sim.sweep import run_sweep
-    from prefixcache.sim.traces import load_trace
+    from prefixcache.sim.traces import load_trace, split_tenants
 
     if args.out and not args.out.endswith((".json", ".csv")):
         raise ValueError(f"--out {args.out}: the suffix must be .json or .csv")
     trace = load_trace(args.trace, args.trace_format)
+    if args.tenants:
+        trace = split_tenants(trace, args.tenants, args.block_size)
     check_capacity(trace, min(args.capacity), args.block_size)
     if args.replicas:
         from prefixcache.sim.cluster_report import run_cluster_simulation
@@ -130,8 +160,29 @@ def _simulate(args: argparse.Namespace) -> int:
     print(reporting.format_report(report))
     if args.recommend:
         print(format_recommendations(report, args.capacity, args.index[0]))
+    _fairness(trace, report, args)
     _write_outputs(report, args)
     return 0 if reporting.same_hits(report) else 1
+
+
+def _fairness(trace: Trace, report: SweepReport, args: argparse.Namespace) -> None:
+    """With 2+ tenants: each --capacity and policy through a fair pool; the per-tenant table."""
+    from prefixcache.cache.owners import check_shares
+    from prefixcache.sim.fairness import format_fairness, run_fairness, tenants_of
+
+    tenants = tenants_of(trace)
+    shares = check_shares(dict(args.cache_share))
+    unknown = sorted(set(shares) - set(tenants))
+    if unknown:
+        raise ValueError(f"--cache-share names {unknown}, not tenants of the trace {tenants}")
+    if len(tenants) < 2 or args.no_fairness:
+        return
+    shared = report.restricted(list(args.capacity))
+    total = len(trace.requests) * len(shared.results)
+    with progress_bar(total, args.quiet) as progress:
+        rows = run_fairness(trace, shared, shares, block_size=args.block_size, progress=progress)
+    print(format_fairness(rows, tenants, shares))
+    report.fairness = [row.as_dict() for row in rows]
 
 
 def _write_outputs(report: SweepReport, args: argparse.Namespace) -> None:

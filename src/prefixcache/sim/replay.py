@@ -8,12 +8,14 @@ Outputs are not cached: the ids cover the input only.
 
 Our token-id format replays with the engine's rules: the cap is on, the prompt is
 committed, the output tokens are appended and committed, then the request is freed.
+
+With ``owner_shares`` the pool is tenant-fair and each request's tenant is its owner.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from prefixcache.cache import KVCacheManager
@@ -40,6 +42,7 @@ class ReplayResult:
     peak_cached_blocks: int = 0  # most blocks indexed at once
     wall_seconds: float = 0.0
     tenants: dict[str, list[int]] = field(default_factory=dict)  # tenant -> [tokens, hits]
+    fair: bool = False  # replayed through a tenant-fair pool (owner shares)
     hits_per_request: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -71,12 +74,18 @@ def replay(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
+    owner_shares: Mapping[str, float] | None = None,
 ) -> ReplayResult:
-    """Replay ``trace`` at ``capacity`` blocks; ``block_size`` applies to token traces only."""
+    """Replay ``trace`` at ``capacity`` blocks; ``block_size`` applies to token traces only.
+
+    ``owner_shares`` (``{}``: equal) replays through a fair pool, tenants as owners.
+    """
     check_capacity(trace, capacity, block_size)
     size = 1 if trace.kind == "mooncake" else block_size
-    manager = KVCacheManager(capacity, size, eviction_policy=policy, index=index)
-    result = ReplayResult(capacity, policy, index)
+    manager = KVCacheManager(
+        capacity, size, eviction_policy=policy, index=index, owner_shares=owner_shares
+    )
+    result = ReplayResult(capacity, policy, index, fair=owner_shares is not None)
     step = _replay_mooncake if trace.kind == "mooncake" else _replay_tokens
     start = time.perf_counter()
     for number, request in enumerate(trace.requests):
@@ -110,8 +119,9 @@ def _replay_mooncake(
     result.tokens += request.input_length
     if not ids:  # a captured request shorter than one block
         result.hits_per_request.append(0)
+        _count_tenant(result, request.tenant, request.input_length, 0)
         return
-    seq = manager.admit(request_id, ids, cap_last_token=False)
+    seq = manager.admit(request_id, ids, cap_last_token=False, owner=request.tenant)
     assert seq is not None, "a sequential replay always has the whole pool free"
     manager.commit(seq, len(ids))
     manager.free(seq)
@@ -120,6 +130,7 @@ def _replay_mooncake(
     result.hit_blocks += hit
     result.hit_tokens += request.hit_tokens(hit)
     result.hits_per_request.append(hit)
+    _count_tenant(result, request.tenant, request.input_length, request.hit_tokens(hit))
 
 
 def _replay_tokens(
@@ -127,7 +138,7 @@ def _replay_tokens(
 ) -> None:
     """The engine's rules: capped lookup, prompt committed, outputs appended and committed."""
     prompt = request.token_ids
-    seq = manager.admit(request_id, prompt, cache_salt=request.cache_salt)
+    seq = manager.admit(request_id, prompt, cache_salt=request.cache_salt, owner=request.tenant)
     assert seq is not None, "a sequential replay always has the whole pool free"
     manager.commit(seq, len(prompt))
     outputs = request.output_token_ids
@@ -141,10 +152,15 @@ def _replay_tokens(
     result.tokens += len(prompt)
     result.hit_tokens += hit
     result.hits_per_request.append(hit // manager.block_size)
-    if request.tenant is not None:
-        counts = result.tenants.setdefault(request.tenant, [0, 0])
-        counts[0] += len(prompt)
-        counts[1] += hit
+    _count_tenant(result, request.tenant, len(prompt), hit)
+
+
+def _count_tenant(result: ReplayResult, tenant: str | None, tokens: int, hits: int) -> None:
+    """Per-tenant prompt tokens and hit tokens (requests without a tenant are not counted)."""
+    if tenant is not None:
+        counts = result.tenants.setdefault(tenant, [0, 0])
+        counts[0] += tokens
+        counts[1] += hits
 
 
 def largest_request(trace: Trace, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

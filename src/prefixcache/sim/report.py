@@ -107,6 +107,7 @@ def as_json(report: SweepReport) -> dict:
             }
             for item in report.optimum
         ],
+        **({"fairness": report.fairness} if report.fairness else {}),
     }
 
 

@@ -28,6 +28,7 @@ class SweepReport:
     trace: dict
     results: list[ReplayResult] = field(default_factory=list)
     optimum: list[Optimum] = field(default_factory=list)
+    fairness: list[dict] = field(default_factory=list)  # ``FairnessRow.as_dict()``, if run
 
     def result(self, capacity: int, policy: str, index: str) -> ReplayResult:
         """The replay of one (capacity, policy, index)."""

@@ -8,16 +8,20 @@ Mooncake (FAST'25 release): ``{"timestamp": ms, "input_length": n, "output_lengt
 position k stands for the same first k+1 blocks everywhere), the last block partial.
 
 Ours: ``{"timestamp": ms, "token_ids": [...], "output_token_ids": [...],
-"cache_salt": "...", "tenant": "..."}``; the last three are optional.
+"cache_salt": "...", "tenant": "..."}``; the last three are optional. A trace without
+tenants (Mooncake's) can be split into K of them by a hash of each request's first block
+(``split_tenants``): requests that share a first block share a tenant, as a shared system
+prompt would.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -34,6 +38,7 @@ class MooncakeRequest:
     output_length: int
     hash_ids: list[int]
     block_size: int | None = None  # set by `--trace-out`: ids of full blocks of this size
+    tenant: str | None = None  # set by ``split_tenants``
 
     def usable_hits(self, hit_blocks: int) -> int:
         """Hit blocks a server would serve: rule 10's cap applies to captured traces."""
@@ -234,6 +239,26 @@ def detect_format(path: str | Path) -> str:
             return "tokens"
         raise _error(path, line_no, "neither 'hash_ids' (Mooncake) nor 'token_ids' present")
     raise ValueError(f"{path}: the trace is empty")
+
+
+def split_tenants(trace: Trace, count: int, block_size: int) -> Trace:
+    """The trace with each request's tenant set to ``t<k>``, k a hash of its first block.
+
+    Mooncake: the first hash id; ours: the salt and the first ``block_size`` token ids.
+    """
+    if count < 1:
+        raise ValueError(f"--tenants must be >= 1, got {count}")
+
+    def tenant(request: MooncakeRequest | TokenRequest) -> str:
+        if isinstance(request, MooncakeRequest):
+            first: object = request.hash_ids[:1]
+        else:
+            first = [request.cache_salt, request.token_ids[:block_size]]
+        digest = hashlib.blake2b(json.dumps(first).encode(), digest_size=8).digest()
+        return f"t{int.from_bytes(digest, 'little') % count}"
+
+    requests = [replace(request, tenant=tenant(request)) for request in trace.requests]
+    return Trace(trace.path, trace.kind, requests)
 
 
 def load_trace(path: str | Path, trace_format: str = "auto") -> Trace:

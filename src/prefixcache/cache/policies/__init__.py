@@ -1,7 +1,8 @@
 """Pluggable eviction policies: which free block that still holds cached content goes first.
 
 LRU is not here: it is the pool's own free queue (``BlockPool``), the article's design and
-the default, kept exactly as it was. Any other policy runs in a ``PolicyBlockPool``, which
+the default, kept exactly as it was (``LRUPolicy`` is that queue as a policy object, for a
+fair pool's one queue per owner). Any other policy runs in a ``PolicyBlockPool``, which
 reuses blocks holding nothing first and asks the policy for a victim only when it must
 evict. A policy sees four events:
 
@@ -42,6 +43,7 @@ from prefixcache.cache.policies.base import (
     EvictionPolicy,
 )
 from prefixcache.cache.policies.lfuda import LFUDAPolicy
+from prefixcache.cache.policies.lru import LRUPolicy
 from prefixcache.cache.policies.per_class import SignalsPolicy
 from prefixcache.cache.policies.signal_policy import SignalPolicy
 from prefixcache.cache.policies.signals import ChainDepths, ChainIndex, Ghosts, ReuseClasses
@@ -58,16 +60,22 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
+def check_policy_name(name: str) -> None:
+    """ValueError, listing the choices, unless ``name`` is a policy."""
+    if name != "lru" and name not in POLICIES:
+        raise ValueError(f"unknown eviction_policy {name!r}; choose one of {list(POLICY_NAMES)}")
+
+
 def make_policy(name: str, num_blocks: int) -> EvictionPolicy | None:
     """The policy called ``name`` (None for "lru": the pool's own free queue)."""
-    if name == "lru":
-        return None
-    try:
-        return POLICIES[name](num_blocks)
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction_policy {name!r}; choose one of {list(POLICY_NAMES)}"
-        ) from None
+    check_policy_name(name)
+    return None if name == "lru" else POLICIES[name](num_blocks)
+
+
+def make_owner_policy(name: str, num_blocks: int) -> EvictionPolicy:
+    """One owner's policy in a fair pool: ``make_policy``, with LRU as an ``LRUPolicy``."""
+    policy = make_policy(name, num_blocks)
+    return LRUPolicy(num_blocks) if policy is None else policy  # not `or`: empty is falsy
 
 
 __all__ = [
@@ -83,11 +91,14 @@ __all__ = [
     "EvictionPolicy",
     "Ghosts",
     "LFUDAPolicy",
+    "LRUPolicy",
     "LRUProtected",
     "ReuseClasses",
     "SLRUPolicy",
     "SignalPolicy",
     "SignalsPolicy",
     "SplitPolicy",
+    "check_policy_name",
+    "make_owner_policy",
     "make_policy",
 ]

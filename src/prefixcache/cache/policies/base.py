@@ -33,6 +33,10 @@ class EvictionPolicy:
     def clear(self) -> list[Block]:
         raise NotImplementedError
 
+    def disown(self, block: Block) -> None:
+        """A live block last seen here is released to another policy (another owner's in a
+        fair pool): forget what was learned about it, so none of it leaks to later content."""
+
     def __len__(self) -> int:
         raise NotImplementedError
 

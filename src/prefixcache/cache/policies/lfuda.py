@@ -40,6 +40,10 @@ class LFUDAPolicy(SplitPolicy):
             refs[block.block_id] += 1
         super().touch(blocks)
 
+    def disown(self, block: Block) -> None:
+        super().disown(block)
+        self.refs[block.block_id] = 0
+
     def _place(self, block: Block, seen: bool) -> None:
         if self.refs[block.block_id] == 0:  # new content recalls its past references
             self.refs[block.block_id] = (self.past_refs.pop(block.digest) or 0) + 1

@@ -92,6 +92,13 @@ class SignalPolicy(EvictionPolicy):
                 self.chains.add(block)
         self.size += len(blocks)
 
+    def disown(self, block: Block) -> None:
+        """Its next release goes to another policy: drop its reuse mark and release tag."""
+        self.reused[block.block_id] = False
+        self.tag[block.block_id] = -1
+        if self.depths is not None:
+            self.depths.forget(block)
+
     def _recall(self, block: Block) -> bool:
         """Whether recomputed content is remembered (a reuse of the class it was evicted in).
 
