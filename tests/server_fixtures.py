@@ -13,8 +13,9 @@ from pathlib import Path
 import uvicorn
 
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.server.app import Server, create_app
+from prefixcache.server.app import Server, create_app, uvicorn_config
 from prefixcache.server.auth import Tenants
+from prefixcache.server.limits import Limits
 
 KEYS = {
     "alpha": {"keys": ["sk-alpha"], "admin": True},
@@ -37,13 +38,18 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(
-    engine: LLMEngine, tenants: Tenants, model_name: str = "tiny", max_pending: int = 256
+    engine: LLMEngine,
+    tenants: Tenants,
+    model_name: str = "tiny",
+    max_pending: int = 256,
+    limits: Limits | None = None,
 ) -> Iterator[tuple[str, Server]]:
-    """Serve ``engine`` on a free loopback port; yield (base URL, server state)."""
-    app = create_app(engine, tenants, model_name, max_pending=max_pending)
+    """Serve ``engine`` on a free loopback port, as `prefixcache serve` configures uvicorn;
+    yield (base URL, server state)."""
+    app = create_app(engine, tenants, model_name, max_pending=max_pending, limits=limits)
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn_config(app, "127.0.0.1", port, log_level="warning", lifespan="on")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -60,9 +66,15 @@ def running_server(
 
 
 def wait_idle(state: Server, timeout: float = 30) -> None:
-    """Until the engine holds no request (aborts of gone clients land asynchronously)."""
+    """Until no request is being read, prepared or run (aborts of gone clients land
+    asynchronously)."""
     deadline = time.monotonic() + timeout
-    while state.engine.requests or state.async_engine.num_pending:
+    while (
+        state.engine.requests
+        or state.async_engine.num_pending
+        or state.pool.busy
+        or state.in_flight.total
+    ):
         if time.monotonic() > deadline:
             raise AssertionError(f"engine still busy: {list(state.engine.requests)}")
         time.sleep(0.05)

@@ -71,8 +71,11 @@ def test_frequencies_follow_the_softmax():
     [
         ({"n": 0}, "n must be in"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
-        ({"temperature": -1}, "temperature must be in"),
+        ({"temperature": -1}, "temperature must be 0 \\(greedy\\) or in"),
+        ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or in \[1e-06, 2.0\]"),
         ({"top_p": 0}, "top_p must be in"),
+        ({"top_p": 1e-300}, r"top_p must be in \[1e-06, 1\]"),
+        ({"repetition_penalty": 5e-324}, r"repetition_penalty must be in \[0.01, 10.0\]"),
         ({"top_k": -2}, "top_k must be >= 0"),
         ({"seed": -5}, "seed must be in"),
         ({"stop": [""]}, "stop must be"),

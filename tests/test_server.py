@@ -273,8 +273,10 @@ def test_load_with_random_disconnects_leaves_every_block_free(served):
 def test_metrics_parse_and_move(served):
     url, state = served
 
+    admin = {"authorization": "Bearer sk-alpha"}  # with a key file, /metrics is admin-only
+
     def scrape() -> dict[str, float]:
-        text = httpx.get(url + "/metrics").text
+        text = httpx.get(url + "/metrics", headers=admin).text
         return {
             sample.name: sample.value
             for family in text_string_to_metric_families(text)
@@ -304,4 +306,4 @@ def test_metrics_parse_and_move(served):
         "prefixcache_cache_lookup_seconds_count",
     ):
         assert name in after
-    assert "railway" not in httpx.get(url + "/metrics").text  # no prompt text, ever
+    assert "railway" not in httpx.get(url + "/metrics", headers=admin).text  # no prompt text

@@ -23,6 +23,10 @@ MAX_REPETITION_PENALTY = 10.0  # (0, 10]; 1 is off
 MAX_LOGIT_BIAS = 100.0  # bias values in [-100, 100], OpenAI's
 MAX_LOGIT_BIAS_TOKENS = 300  # entries in one logit_bias map
 MAX_LOGPROBS = 20  # top logprobs per token (generated or prompt), OpenAI chat's limit
+# Nearer 0 these overflow or round to 0 in float32: NaN scores would fail the whole step.
+MIN_TEMPERATURE = 1e-6  # unless exactly 0 (greedy)
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(slots=True)
@@ -71,10 +75,14 @@ class SamplingParams:
                 f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}",
             ),
             (
-                0.0 <= self.temperature <= MAX_TEMPERATURE,
-                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
+                self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE}], "
+                f"got {self.temperature}",
             ),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (
+                MIN_TOP_P <= self.top_p <= 1.0,
+                f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}",
+            ),
             (self.top_k >= 0, f"top_k must be >= 0 (0: no limit), got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (
@@ -114,8 +122,9 @@ class SamplingParams:
                 f"got {self.frequency_penalty}",
             ),
             (
-                0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}], "
                 f"got {self.repetition_penalty}",
             ),
             (

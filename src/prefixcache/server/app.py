@@ -1,4 +1,9 @@
-"""The FastAPI application: OpenAI endpoints over the async engine, per-tenant salts."""
+"""The FastAPI application: OpenAI endpoints over the async engine, per-tenant salts.
+
+Every request passes ``guard.RequestGuard`` first (headers, auth by route, tenant share,
+body size and deadline); bodies are then prepared in ``PreparePool`` threads
+(``server/prepare.py``), so the event loop only routes, admits and streams.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,7 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -15,48 +19,48 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine.async_engine import AddRequest, AsyncLLMEngine, RequestStream
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
-from prefixcache.engine.sampling import SamplingParams, fold_seed
-from prefixcache.server import openai_format
-from prefixcache.server.auth import AuthError, Tenant, Tenants
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.server import openai_format, openapi
+from prefixcache.server.admission import InFlight, Ticket
+from prefixcache.server.auth import Tenant, Tenants
+from prefixcache.server.errors import ERROR_TYPES, ApiError
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
-from prefixcache.server.limits import DEFAULT_MAX_PENDING
+from prefixcache.server.guard import RequestGuard, RoutePolicy
+from prefixcache.server.limits import (
+    DEFAULT_MAX_PENDING,
+    MAX_HEADER_BYTES,
+    PREPARE_THREADS,
+    Limits,
+    max_prompt_chars,
+)
 from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from prefixcache.server.openapi import json_body, responses
+from prefixcache.server.prepare import (
+    PrepareContext,
+    Prepared,
+    no_such_model,
+    prepare_chat,
+    prepare_completion,
+)
+from prefixcache.server.prepare_pool import PreparePool
+from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.server.slow_client import guarded_protocol
 
+__all__ = ["ERROR_TYPES", "ApiError", "create_app", "internal_error"]
 log = logging.getLogger("prefixcache.server")
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-}
-
-
-class ApiError(Exception):
-    """An error the client caused, sent as an OpenAI-style ``error`` object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self) -> JSONResponse:
-        error = {
-            "message": self.message,
-            "type": ERROR_TYPES.get(self.status, "server_error"),
-            "param": self.param,
-            "code": None,
-        }
-        return JSONResponse({"error": error}, status_code=self.status)
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ROUTES = RoutePolicy(
+    public=frozenset({"/health"}),
+    admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
+    metered=frozenset({CHAT, COMPLETIONS}),
+)
 
 
 @dataclass(slots=True)
@@ -67,7 +71,10 @@ class Server:
     model_name: str
     tenants: Tenants
     metrics: ServerMetrics
-    max_pending: int
+    limits: Limits
+    prepare: PrepareContext
+    in_flight: InFlight  # the global and per-tenant in-flight limits (429)
+    pool: PreparePool = field(default_factory=lambda: PreparePool(PREPARE_THREADS))
     identity: dict = field(default_factory=dict)  # see replica_identity
     draining: bool = False  # shutting down: new requests get 503
 
@@ -83,10 +90,20 @@ def create_app(
     model_name: str,
     max_pending: int = DEFAULT_MAX_PENDING,
     publisher: KVEventPublisher | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread (and the event publisher)."""
-    metrics = ServerMetrics(engine, model_name)
-    server = Server(AsyncLLMEngine(engine), model_name, tenants, metrics, max_pending)
+    limits = limits or Limits()
+    share = None if tenants.local else limits.tenant_share(max_pending)
+    server = Server(
+        AsyncLLMEngine(engine),
+        model_name,
+        tenants,
+        ServerMetrics(engine, model_name),
+        limits,
+        prepare_context(engine, model_name),
+        InFlight(max_pending, share),
+    )
     server.identity = replica_identity(engine, publisher)
 
     @asynccontextmanager
@@ -97,13 +114,34 @@ def create_app(
         if publisher is not None:
             publisher.close()
 
-    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    app = FastAPI(title="prefixcache", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, internal_error)
     _add_routes(app, server)
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest], model_name)
+    app.add_middleware(
+        RequestGuard,
+        routes=app.router.routes,
+        tenants=tenants,
+        policy=ROUTES,
+        limits=limits,
+        in_flight=server.in_flight,
+    )
     return app
+
+
+def prepare_context(engine: LLMEngine, model_name: str) -> PrepareContext:
+    """What request preparation needs from the engine, read once."""
+    context = engine.max_model_len
+    return PrepareContext(
+        engine.tokenizer,
+        model_name,
+        context,
+        engine.model_config.vocab_size,
+        max_prompt_chars(engine.tokenizer, context),
+    )
 
 
 def replica_identity(engine: LLMEngine, publisher: KVEventPublisher | None) -> dict:
@@ -130,10 +168,11 @@ async def _api_error(_: Request, error: ApiError) -> JSONResponse:
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     """Routing errors (unknown path 404, wrong method 405) as OpenAI error objects."""
+    path = request.scope["path"]  # as routed; request.url would be rebuilt from Host
     if error.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message = f"method {request.method} is not allowed on {path}"
     elif error.status_code == 404:
-        message = f"no such endpoint: {request.method} {request.url.path}"
+        message = f"no such endpoint: {request.method} {path}"
     else:
         message = str(error.detail)
     response = ApiError(error.status_code, message).response()
@@ -143,7 +182,8 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
 
 def internal_error(request: Request, error: Exception) -> JSONResponse:
     """A bug of ours, not the client's input: log the type and path, never the body."""
-    log.error("internal error on %s: %s", request.url.path, type(error).__name__, exc_info=error)
+    path = request.scope.get("path")
+    log.error("internal error on %s: %s", path, type(error).__name__, exc_info=error)
     body = {
         "error": {
             "message": "internal server error",
@@ -156,82 +196,73 @@ def internal_error(request: Request, error: Exception) -> JSONResponse:
 
 
 def _add_routes(app: FastAPI, server: Server) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @_get_and_head(app, "/health", responses=responses(openapi.Health))
     async def health() -> dict:
         """Liveness, and what a router needs to compute this replica's digests."""
         return {"status": "ok", "model": server.model_name, **server.identity}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @_get_and_head(app, "/metrics", responses=_text(responses(None, 401, 403)))
     async def metrics() -> Response:
+        """Prometheus metrics; with an API key file, for admin keys only."""
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models(request: Request) -> dict:
-        _tenant(server, request)
+    @_get_and_head(app, "/v1/models", responses=responses(openapi.ModelList, 401))
+    async def models() -> dict:
         return {"object": "list", "data": [_model_card(server)]}
 
-    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
-    async def model(model_id: str, request: Request) -> dict:
-        _tenant(server, request)
+    @_get_and_head(
+        app,
+        "/v1/models/{model_id:path}",
+        responses=responses(openapi.ModelCard, 401, 404),
+    )
+    async def model(model_id: str) -> dict:
         if model_id != server.model_name:
-            raise ApiError(404, _no_such_model(model_id, server), "model")
+            raise ApiError(404, no_such_model(model_id, server.model_name), "model")
         return _model_card(server)
 
-    @app.post("/v1/chat/completions")
+    engine_statuses = (401, 404, 429, 503)
+
+    @app.post(
+        CHAT,
+        openapi_extra=json_body(ChatCompletionRequest),
+        responses=responses(openapi.ChatCompletion, *engine_statuses, stream=True),
+    )
     async def chat(request: Request) -> Response:
-        tenant = _tenant(server, request)
-        body = await _parse(request, ChatCompletionRequest, server)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = server.engine.tokenizer.encode_chat(messages)
-        except ValueError as error:
-            raise ApiError(400, f"messages: {error}", "messages") from None
-        shape = _shape(server, body, chat=True)
-        return await _serve(server, request, tenant, body, [prompt], shape)
+        return await _serve(server, request, prepare_chat)
 
-    @app.post("/v1/completions")
+    @app.post(
+        COMPLETIONS,
+        openapi_extra=json_body(CompletionRequest),
+        responses=responses(openapi.Completion, *engine_statuses, stream=True),
+    )
     async def completions(request: Request) -> Response:
-        tenant = _tenant(server, request)
-        body = await _parse(request, CompletionRequest, server)
-        tokenizer = server.engine.tokenizer
-        prompts = [
-            tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
-            for p in body.prompt
-        ]
-        shape = _shape(server, body, chat=False)
-        if body.echo:
-            shape.echo = [
-                p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                for p in body.prompt
-            ]
-        return await _serve(server, request, tenant, body, prompts, shape)
+        return await _serve(server, request, prepare_completion)
 
-    @app.post("/admin/reset_prefix_cache")
-    async def reset(request: Request) -> dict:
-        tenant = _tenant(server, request)
-        if not tenant.admin:
-            raise ApiError(403, f"tenant {tenant.name!r} is not an admin")
+    @app.post("/admin/reset_prefix_cache", responses=responses(openapi.ResetReport, 401, 403))
+    async def reset() -> dict:
+        """Drop every cached block, if none is in use (admin keys only)."""
         return await server.async_engine.run_in_engine(_reset_report)
+
+
+def _get_and_head(app: FastAPI, path: str, **options: object) -> Callable:
+    """Register a handler for GET and for HEAD (HEAD kept out of the schema: one
+    operation id per route)."""
+
+    def register(handler: Callable) -> Callable:
+        app.add_api_route(path, handler, methods=["GET"], **options)
+        app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False, **options)
+        return handler
+
+    return register
+
+
+def _text(declared: dict) -> dict:
+    declared[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    return declared
 
 
 def _model_card(server: Server) -> dict:
     return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
-
-
-def _no_such_model(name: str, server: Server) -> str:
-    return f"model {name!r} does not exist; this server serves {server.model_name!r}"
-
-
-def _shape(server: Server, body: SamplingFields, chat: bool) -> openai_format.Shape:
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    return openai_format.Shape(
-        request_id,
-        body.model,
-        chat,
-        body.n,
-        server.engine.tokenizer,
-        logprobs=body.logprob_count() is not None,
-    )
 
 
 def _reset_report(engine: LLMEngine) -> dict:
@@ -246,112 +277,33 @@ def _reset_report(engine: LLMEngine) -> dict:
     }
 
 
-def _tenant(server: Server, request: Request) -> Tenant:
-    try:
-        return server.tenants.authenticate(request.headers.get("authorization"))
-    except AuthError as error:
-        raise ApiError(401, str(error)) from None
-
-
-async def _parse(request: Request, schema: type[BaseModel], server: Server) -> SamplingFields:
-    """The body as ``schema``: 400 for bad JSON or a bad field, 404 for another model."""
-    if server.draining:
-        raise ApiError(503, "the server is shutting down; retry on another replica")
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"request body is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        body = schema.model_validate(data)
-    except ValidationError as error:
-        raise _field_error(error) from None
-    unsupported = body.unsupported_field()
-    if unsupported:
-        raise ApiError(400, unsupported[1], unsupported[0])
-    if body.model != server.model_name:
-        raise ApiError(404, _no_such_model(body.model, server), "model")
-    return body
-
-
-def _field_error(error: ValidationError) -> ApiError:
-    """400 naming the first bad field (its path) and what it accepts."""
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"]) or "body"
-    message = first["msg"].removeprefix("Value error, ")
-    return ApiError(400, f"{field}: {message}", field)
-
-
-def _check_room(limit: int | None, prompt_lens: list[int], context: int) -> None:
-    """400 unless every prompt leaves room for the requested tokens (at least 1)."""
-    for prompt_len in prompt_lens:
-        room = context - prompt_len
-        if room < 1 or (limit is not None and limit > room):
-            raise ApiError(
-                400,
-                f"this model's context is {context} tokens; the prompt has "
-                f"{prompt_len} and {limit or 1} more were requested",
-                "max_tokens",
-            )
-
-
-def _sampling(body: SamplingFields, prompt_lens: list[int], context: int) -> SamplingParams:
-    """Sampling parameters, with the token limit checked against the context."""
-    limit = body.token_limit()
-    _check_room(limit, prompt_lens, context)
-    prompt_logprobs = getattr(body, "prompt_logprob_count", lambda: None)()
-    try:
-        return SamplingParams(
-            n=body.n,
-            max_tokens=context - max(prompt_lens) if limit is None else limit,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k_limit(),
-            min_p=body.min_p,
-            seed=None if body.seed is None else fold_seed(body.seed),
-            stop=body.stop,
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            logit_bias=body.bias(),
-            logprobs=body.logprob_count(),
-            prompt_logprobs=prompt_logprobs,
-        )
-    except ValueError as error:  # a combination out of range (min_tokens > max_tokens, ...)
-        raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
+def _tenant(request: Request) -> Tenant:
+    """The tenant the guard authenticated; 401 if it did not (fail closed)."""
+    tenant = request.scope.get("state", {}).get("tenant")
+    if tenant is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
+    return tenant
 
 
 async def _serve(
-    server: Server,
-    request: Request,
-    tenant: Tenant,
-    body: SamplingFields,
-    prompts: list[list[int]],
-    shape: openai_format.Shape,
+    server: Server, request: Request, prepare: Callable[[bytes, PrepareContext], Prepared]
 ) -> Response:
-    """Run one request (one engine request per prompt) through the engine; stream or answer."""
-    params = _sampling(body, [len(p) for p in prompts], server.engine.max_model_len)
-    pending = server.async_engine.num_pending
-    if pending + len(prompts) > server.max_pending:
-        raise ApiError(
-            429,
-            f"server overloaded: {pending} requests pending (limit {server.max_pending}); "
-            "retry later",
-        )
+    """Prepare the body off the loop, admit it, run it (one engine request per prompt)."""
+    tenant = _tenant(request)
+    ticket: Ticket = request.scope["state"]["ticket"]
+    if server.draining:
+        raise ApiError(503, "the server is shutting down; retry on another replica")
+    ready = await server.pool.run(prepare, await request.body(), server.prepare)
+    prompts, body, shape = ready.prompts, ready.body, ready.shape
+    server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
-    fan_in = await _open(server, tenant, shape, prompts, params, salt)
+    fan_in = await _open(server, tenant, shape, prompts, ready.params, salt)
     done = _Done(server, tenant, salt, shape.request_id, "chat" if shape.chat else "completions")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         formatter = openai_format.StreamFormatter(shape, len(prompts))
         events = _sse(fan_in, formatter, include_usage, done)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers=openai_format.STREAM_HEADERS
-        )
+        return _Stream(events, lambda: done.once(fan_in))
     try:
         finals = await _until_finished(fan_in, request, done)
     except asyncio.CancelledError:
@@ -362,6 +314,23 @@ async def _serve(
     if finals is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(openai_format.response(shape, finals))
+
+
+class _Stream(StreamingResponse):
+    """An SSE response whose request is closed however the response ends, even if the
+    client left before its first event (then the event generator never started)."""
+
+    def __init__(self, events: AsyncIterator[str], on_end: Callable[[], None]) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers=openai_format.STREAM_HEADERS
+        )
+        self.on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 async def _open(
@@ -409,20 +378,25 @@ def _add_request(
         min_hit_tokens=tenant.min_hit_tokens,
         zero_on_evict=tenant.zero_on_evict,
         use_tier=tenant.uses_tier,
+        owner=tenant.name,
     )
 
 
 @dataclass(slots=True)
 class _Done:
-    """Accounting when a request ends: metrics and one log line (counts, never text)."""
+    """Accounting when a request ends, once: metrics and one log line (counts, never text)."""
 
     server: Server
     tenant: Tenant
     salt: str
     request_id: str
     endpoint: str
+    called: bool = False
 
     def __call__(self, parts: list[RequestOutput], status: str = "ok") -> None:
+        if self.called:
+            return
+        self.called = True
         self.server.metrics.requests.labels(self.tenant.name, self.endpoint, status).inc()
         if status == "ok":
             for output in parts:
@@ -438,6 +412,11 @@ class _Done:
             sum(len(o.token_ids) for p in parts for o in p.outputs),
             status,
         )
+
+    def once(self, fan_in: FanIn) -> None:
+        """The end of a stream that may never have started: close it and account for it."""
+        fan_in.close()
+        self(fan_in.finals(), "disconnected")
 
 
 async def _client_gone(request: Request) -> None:
@@ -531,9 +510,22 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def uvicorn_config(app: FastAPI, host: str, port: int, **options: object) -> uvicorn.Config:
+    """uvicorn with the guarded protocol: a deadline per request head, 431 past its size."""
+    timeout = app.state.server.limits.request_read_timeout
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=guarded_protocol(timeout),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        **options,
+    )
+
+
 def graceful_server(app: FastAPI, host: str, port: int, shutdown_timeout: float) -> GracefulServer:
     """A uvicorn server for ``app`` that shuts down within ``shutdown_timeout`` seconds."""
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout
+    config = uvicorn_config(
+        app, host, port, log_level="info", timeout_graceful_shutdown=shutdown_timeout
     )
     return GracefulServer(config, app.state.server)

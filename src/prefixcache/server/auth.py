@@ -12,15 +12,20 @@ import hmac
 import json
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from prefixcache.cache.owners import check_shares
 
 LOCAL_TENANT = "local"
 KEY_FILE_FORMAT = (
     '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_hit_tokens", "zero_on_evict",'
-    ' "tier"}]}'
+    ' "tier", "cache_share"}]}'
 )
-TENANT_FIELDS = ("name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier")
+TENANT_FIELDS = (
+    "name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier", "cache_share"
+)  # fmt: skip
 RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
 
 
@@ -38,6 +43,7 @@ class Tenant:
     min_hit_tokens: int = 0  # a hit counts only if at least this many tokens are shared
     zero_on_evict: bool = False  # zero its KV blocks before their slots are reused
     tier: bool = True  # its blocks may be written to (and read from) the second KV tier
+    cache_share: float | None = None  # its share of the cached pool (--fair-cache); None: equal
 
     @property
     def uses_tier(self) -> bool:
@@ -48,9 +54,15 @@ class Tenant:
 class Tenants:
     """API key -> tenant, and the salts that keep tenants' cached blocks apart."""
 
-    def __init__(self, tenants: dict[str, Tenant] | None, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        tenants: dict[str, Tenant] | None,
+        secret: bytes | None = None,
+        admin_key: str | None = None,
+    ) -> None:
         self._by_key_digest = tenants  # None: a single local tenant, no keys
         self._secret = secret or os.urandom(32)
+        self._admin_key = admin_key  # one admin's key: what a router shows its replicas
 
     @property
     def local(self) -> bool:
@@ -61,15 +73,17 @@ class Tenants:
         """Load a key file shaped like ``KEY_FILE_FORMAT`` (optional fields: false, 0)."""
         try:
             entries = json.loads(Path(path).read_text())["tenants"]
-            tenants = {}
+            tenants, admin_key = {}, None
             for entry in entries:
                 tenant = _tenant(entry)
                 for key in entry["keys"]:
                     tenants[_digest(key)] = tenant
+                    admin_key = admin_key or (key if tenant.admin else None)
+            _cache_shares(tenants.values())  # together at most 1
         except (OSError, ValueError, KeyError, TypeError) as error:
             message = f"API key file {path}: {error!r}; expected {KEY_FILE_FORMAT}"
             raise ValueError(message) from None
-        return cls(tenants, secret)
+        return cls(tenants, secret, admin_key)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of a ``Bearer`` key; AuthError when it is missing or unknown."""
@@ -81,6 +95,14 @@ class Tenants:
         if tenant is None:
             raise AuthError("invalid API key")
         return tenant
+
+    def admin_headers(self) -> dict[str, str]:
+        """Headers that open admin routes (``/metrics``) on a replica with this key file."""
+        return {"Authorization": f"Bearer {self._admin_key}"} if self._admin_key else {}
+
+    def cache_shares(self) -> dict[str, float]:
+        """Tenant name -> ``cache_share``, for the tenants that set one (``--fair-cache``)."""
+        return {} if self._by_key_digest is None else _cache_shares(self._by_key_digest.values())
 
     def cache_salt(self, tenant: Tenant, client_salt: str | None) -> str:
         """The salt for a request: per tenant (and client salt); unique if no reuse."""
@@ -109,7 +131,22 @@ def _tenant(entry: dict) -> Tenant:
         min_hit_tokens=_non_negative(entry.get("min_hit_tokens", 0)),
         zero_on_evict=bool(entry.get("zero_on_evict", False)),
         tier=bool(entry.get("tier", True)),
+        cache_share=_share(entry),
     )
+
+
+def _share(entry: dict) -> float | None:
+    """``cache_share``: absent (None) or a number in (0, 1]; ValueError naming the tenant."""
+    value = entry.get("cache_share")
+    if value is None:
+        return None
+    name = str(entry["name"])
+    return check_shares({name: value})[name]
+
+
+def _cache_shares(tenants: Iterable[Tenant]) -> dict[str, float]:
+    """The shares the tenants set, checked together (at most 1 in all)."""
+    return check_shares({t.name: t.cache_share for t in tenants if t.cache_share is not None})
 
 
 def _non_negative(value: object) -> int:

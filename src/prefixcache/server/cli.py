@@ -17,13 +17,22 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
-from prefixcache.server.limits import DEFAULT_MAX_PENDING
+from prefixcache.server.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PENDING,
+    DEFAULT_REQUEST_READ_TIMEOUT,
+    Limits,
+)
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from prefixcache.engine.engine import LLMEngine
+    from prefixcache.server.auth import Tenants
     from prefixcache.server.events import KVEventPublisher
+    from prefixcache.server.metrics import ServerMetrics
     from prefixcache.server.trace_out import TraceWriter
 
 
@@ -53,6 +62,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_PENDING,
         help="requests in flight before new ones get HTTP 429",
     )
+    _add_limit_options(serve)
     serve.add_argument("--api-key-file", help="JSON file of tenants and their API keys")
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--cache-aware-scheduling", action="store_true")
@@ -69,6 +79,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help='zero every block\'s K/V before its slot is reused (per tenant: "zero_on_evict")',
     )
     serve.add_argument(
+        "--fair-cache",
+        action="store_true",
+        help="tenant-fair eviction: a tenant over its share of the cached pool is evicted "
+        'first (per tenant: "cache_share"; equal shares when none is given)',
+    )
+    serve.add_argument(
         "--threads", type=positive_int, help="torch intra-op threads (default: torch's choice)"
     )
     serve.add_argument(
@@ -82,6 +98,47 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     _add_tier_options(serve)
     _add_event_options(serve)
     _add_trace_option(serve)
+
+
+def _add_limit_options(serve: argparse.ArgumentParser) -> None:
+    """What one client may send or hold (every limit: README, "Limits")."""
+    serve.add_argument(
+        "--max-pending-per-tenant",
+        type=positive_int,
+        help="requests one tenant may have in flight (HTTP 429 past it; default: half of "
+        "--max-pending; only with --api-key-file)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body, HTTP 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    serve.add_argument(
+        "--request-read-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_REQUEST_READ_TIMEOUT,
+        metavar="SECONDS",
+        help="a request's head, and then its body, must arrive within this long, or HTTP 408 "
+        f"(default {DEFAULT_REQUEST_READ_TIMEOUT:g})",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=positive_int,
+        help="also serve /metrics without a key on 127.0.0.1:PORT (on the main port, "
+        "/metrics needs an admin key when there is an API key file)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    """A number of seconds > 0 (a usage error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
 
 
 def _add_tier_options(serve: argparse.ArgumentParser) -> None:
@@ -171,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 kv_tier=args.kv_tier,
                 kv_tier_max_bytes=args.kv_tier_max_bytes,
                 kv_tier_max_wait=args.kv_tier_max_wait,
+                owner_shares=fair_shares(args, tenants),
             ),
         )
         publisher = start_events(args, engine)
@@ -179,7 +237,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"prefixcache serve: {error}", file=sys.stderr)
         return 2
     name = args.served_model_name or loaded.source.name.split(".")[0]
-    app = create_app(engine, tenants, name, max_pending=args.max_pending, publisher=publisher)
+    limits = Limits(args.max_body_bytes, args.request_read_timeout, args.max_pending_per_tenant)
+    app = create_app(
+        engine, tenants, name, max_pending=args.max_pending, publisher=publisher, limits=limits
+    )
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens; prefix caching "
@@ -187,18 +248,36 @@ def run_serve(args: argparse.Namespace) -> int:
         f"{'; zero on evict' if args.zero_on_evict else ''}",
         flush=True,
     )
+    print(describe_fair_cache(args, tenants), flush=True)
     if args.log_cache_keys:
         print(f"logging cache key components to {args.log_cache_keys}", flush=True)
     if engine.tier is not None:
         print(f"KV tier: {engine.tier.client.medium} ({redact(args.kv_tier)})", flush=True)
     if publisher is not None:
         print(f"KV events: {publisher.endpoint} topic {publisher.topic}", flush=True)
+    if args.metrics_port:
+        try:
+            serve_metrics(app.state.server.metrics, args.metrics_port)
+        except OSError as error:  # the port is taken
+            print(
+                f"prefixcache serve: --metrics-port {args.metrics_port}: {error}", file=sys.stderr
+            )
+            return 2
     try:
         graceful_server(app, args.host, args.port, args.shutdown_timeout).run()
     finally:
         if trace is not None:
             trace.close()
     return 0
+
+
+def serve_metrics(metrics: ServerMetrics, port: int) -> WSGIServer:
+    """/metrics without a key, on loopback only, from a daemon thread."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    print(f"metrics: http://127.0.0.1:{port}/metrics (loopback only, no key)", flush=True)
+    return server
 
 
 def start_trace(path: str | None, engine: LLMEngine) -> TraceWriter | None:
@@ -211,6 +290,21 @@ def start_trace(path: str | None, engine: LLMEngine) -> TraceWriter | None:
     engine.on_retired.append(trace.record)
     print(f"trace: one line per request (digests as ids, never tokens) to {path}", flush=True)
     return trace
+
+
+def fair_shares(args: argparse.Namespace, tenants: Tenants) -> dict[str, float] | None:
+    """``--fair-cache``: each tenant's ``cache_share`` (the rest split equally); None: off."""
+    return tenants.cache_shares() if args.fair_cache else None
+
+
+def describe_fair_cache(args: argparse.Namespace, tenants: Tenants) -> str:
+    """One start-up line: whether eviction is tenant-fair, and with which shares."""
+    shares = tenants.cache_shares()
+    listed = ", ".join(f"{name} {share:g}" for name, share in shares.items())
+    if not args.fair_cache:
+        ignored = f" (cache_share ignored: {listed})" if shares else ""
+        return f"fair cache: off, one eviction order for every tenant{ignored}"
+    return f"fair cache: on; shares {listed + ', ' if listed else ''}the rest split equally"
 
 
 def tenant_secret(args: argparse.Namespace) -> bytes | None:

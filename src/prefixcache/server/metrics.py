@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from prefixcache.cache.owners import OwnerUsage
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.tier_link import TierLink
@@ -77,8 +78,44 @@ class CacheCollector:
         hits.add_metric(["pool"], stats.hits)
         hits.add_metric(["tier"], stats.tier_hits)
         yield hits
+        yield from owner_metrics(manager.owner_usage())
         if self.engine.tier is not None:
             yield from tier_metrics(self.engine.tier)
+
+
+DEFAULT_OWNER_LABEL = "default"  # requests that named no tenant (library use)
+
+
+def owner_metrics(usage: list[OwnerUsage]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """Per tenant, with ``--fair-cache``: share, cached blocks, evictions suffered and caused."""
+    if not usage:
+        return
+    families = [
+        (GaugeMetricFamily, "tenant_cache_share", "Tenant's share of the cached pool", "share"),
+        (
+            GaugeMetricFamily,
+            "tenant_cached_blocks",
+            "Free cached KV blocks charged to the tenant (the last user of each)",
+            "cached_blocks",
+        ),
+        (
+            CounterMetricFamily,
+            "tenant_evictions_suffered",
+            "Tenant's cached blocks evicted to make room",
+            "evictions_suffered",
+        ),
+        (
+            CounterMetricFamily,
+            "tenant_evictions_caused",
+            "Cached blocks evicted to make room for the tenant's requests",
+            "evictions_caused",
+        ),
+    ]
+    for kind, name, documentation, field in families:
+        family = kind(f"prefixcache_{name}", documentation, labels=["tenant"])
+        for owner in usage:
+            family.add_metric([owner.name or DEFAULT_OWNER_LABEL], getattr(owner, field))
+        yield family
 
 
 TIER_COUNTERS = (

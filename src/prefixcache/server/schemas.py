@@ -21,12 +21,51 @@ from prefixcache.engine.sampling import (
     MAX_REQUEST_SEED,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
     MIN_REQUEST_SEED,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
 )
+from prefixcache.server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_PROMPTS
 
-MAX_PROMPTS = 64  # prompts in one batched completion request
 UNSUPPORTED = ("tools", "functions", "suffix")  # rejected when set to anything but empty
 TokenIds = list[int]
+TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+CONTENT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": TEXT_PART, "maxItems": MAX_CONTENT_PARTS},
+        {"type": "null"},
+    ]
+}
+TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        TOKEN_IDS_SCHEMA,
+        {
+            "type": "array",
+            "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS_SCHEMA]},
+            "minItems": 1,
+            "maxItems": MAX_PROMPTS,
+        },
+    ]
+}
+STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "maxItems": MAX_STOP_STRINGS,
+        },
+        {"type": "null"},
+    ]
+}
 
 
 def _drop_nulls(data: Any) -> Any:
@@ -51,7 +90,8 @@ class StreamOptions(NullMeansDefault):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
-    content: Any = Field(None, validate_default=True)  # str, text parts, or null (assistant)
+    # str, text parts, or null (assistant)
+    content: Any = Field(None, validate_default=True, json_schema_extra=CONTENT_SCHEMA)
 
     @field_validator("content")
     @classmethod
@@ -60,11 +100,13 @@ class ChatMessage(BaseModel):
             return value or ""
         if not isinstance(value, list):
             raise ValueError("must be a string or a list of text parts")
+        if len(value) > MAX_CONTENT_PARTS:
+            raise ValueError(f"{len(value)} parts; at most {MAX_CONTENT_PARTS} allowed")
         texts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"part {i} is {kind!r}: only text parts are supported")
+                raise ValueError(f"part {i} is {_short(kind)}: only text parts are supported")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i} has no text string")
             texts.append(part["text"])
@@ -80,27 +122,27 @@ class SamplingFields(NullMeansDefault):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str = Field(max_length=MAX_NAME_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0)
     top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
-    stop: Any = Field(None, validate_default=True)
+    stop: Any = Field(None, validate_default=True, json_schema_extra=STOP_SCHEMA)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     seed: int | None = Field(None, ge=MIN_REQUEST_SEED, le=MAX_REQUEST_SEED)
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] = Field(default_factory=dict)
     response_format: dict[str, Any] | None = None
-    user: str | None = Field(None, max_length=256)
-    cache_salt: str | None = Field(None, max_length=256)
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -116,6 +158,13 @@ class SamplingFields(NullMeansDefault):
                 f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings"
             )
         return stops
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,7 +209,7 @@ class SamplingFields(NullMeansDefault):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -179,7 +228,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any
+    prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -190,6 +239,7 @@ class CompletionRequest(SamplingFields):
         """One prompt or a batch: a string, token ids, or a list of either."""
         if isinstance(value, str) or _is_token_ids(value):
             value = [value]
+        _no_negative_ids(value)
         if not isinstance(value, list) or not value:
             raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
         if len(value) > MAX_PROMPTS:
@@ -212,6 +262,21 @@ class CompletionRequest(SamplingFields):
         if self.echo and self.logprobs is not None:
             return self.logprobs
         return 0 if self.max_tokens == 0 else None
+
+
+def _no_negative_ids(prompts: Any) -> None:
+    """A clear message for ``[-1]`` (which would otherwise read as a batch of bad prompts)."""
+    for prompt in prompts if isinstance(prompts, list) else []:
+        ids = prompt if isinstance(prompt, list) else [prompt]
+        bad = next((t for t in ids if type(t) is int and t < 0), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is negative: token ids are >= 0")
+
+
+def _short(value: Any) -> str:
+    """A client's value quoted in a message, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _is_token_ids(value: Any) -> bool:

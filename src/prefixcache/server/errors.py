@@ -1,0 +1,56 @@
+"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+def field_path(parts: tuple | list) -> str:
+    """Where in a body a field is ("messages.0.content"); a client's key is cut to 40
+    characters, so an error never echoes a huge one."""
+    return ".".join(str(part)[:40] for part in parts) or "body"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The error object a client parses."""
+    kind = ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def error_bytes(status: int, message: str, param: str | None = None) -> bytes:
+    """The error object as a JSON body (for code below the framework: middleware, protocol)."""
+    return json.dumps(error_body(status, message, param)).encode()
+
+
+class ApiError(Exception):
+    """An error the client caused, sent as an OpenAI-style ``error`` object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.status, self.message, self.param)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)

@@ -1,0 +1,203 @@
+"""The OpenAPI contract: request bodies, response bodies and every status a route returns.
+
+The handlers read their bodies themselves (bounded, off the event loop), so FastAPI cannot
+infer the request models; they are declared here instead, and the response models below
+describe what ``openai_format`` writes. Nothing here validates a request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from prefixcache.server.schemas import NullMeansDefault
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorObject
+
+
+class TokenDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: TokenDetails
+
+
+class AssistantMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    model: str
+    block_size: int
+    namespace_digest: str
+    tier: str | None
+    kv_events: dict[str, Any] | None
+
+
+class ResetReport(BaseModel):
+    reset: bool
+    detail: str
+
+
+DESCRIPTIONS = {
+    400: "Malformed JSON or HTTP, or a field out of range (the message names it and its limit)",
+    401: "Missing or unknown API key",
+    403: "The key's tenant may not use this route (not an admin)",
+    404: "No such model",
+    408: "The request head or body did not arrive within --request-read-timeout",
+    413: "The body is larger than --max-body-bytes",
+    429: "Too many requests in flight (server or tenant); see Retry-After",
+    431: "Too many header fields, or too many header bytes",
+    503: "The server is shutting down",
+}
+EVERY_ROUTE = (400, 408, 413, 431)
+SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
+    "type": "object",
+    "properties": {
+        "data": {"type": "string", "description": "a JSON chunk; the last event is [DONE]"}
+    },
+    "required": ["data"],
+}
+
+
+def responses(ok: type[BaseModel] | None, *statuses: int, stream: bool = False) -> dict:
+    """A route's ``responses``: its 200 body and each error status it can return."""
+    success: dict[str, Any] = {"description": "OK"}
+    if ok is not None:
+        success["model"] = ok
+    if stream:
+        success["content"] = {"text/event-stream": {"schema": SSE_EVENT}}
+    declared: dict[int | str, dict[str, Any]] = {200: success}
+    for status in sorted({*EVERY_ROUTE, *statuses}):
+        declared[status] = {"model": ErrorResponse, "description": DESCRIPTIONS[status]}
+    return declared
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` declaring ``model`` as the route's JSON request body."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install(app: FastAPI, bodies: list[type[BaseModel]], model_name: str) -> None:
+    """Generate ``/openapi.json`` with the request models added to its components; their
+    ``model`` is the one name this server serves (any other is a 404)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in bodies:
+                components.update(_component_schemas(model))
+                served = {"type": "string", "enum": [model_name], "title": "Model"}
+                components[model.__name__]["properties"]["model"] = served
+            _drop_validation_errors(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _component_schemas(model: type[BaseModel]) -> dict[str, dict]:
+    """``model`` and the models it uses, as OpenAPI components; null allowed where it means
+    the default (``NullMeansDefault``)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    found = {**schema.pop("$defs", {}), model.__name__: schema}
+    nullable = {m.__name__ for m in _models_within(model) if issubclass(m, NullMeansDefault)}
+    for name in nullable & set(found):
+        _allow_null(found[name])
+    return found
+
+
+def _models_within(model: type[BaseModel]) -> list[type[BaseModel]]:
+    """``model`` and the pydantic models its fields name directly or in unions."""
+    found = [model]
+    for info in model.model_fields.values():
+        for kind in (info.annotation, *getattr(info.annotation, "__args__", ())):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                found.append(kind)
+    return found
+
+
+def _allow_null(schema: dict) -> None:
+    required = set(schema.get("required", []))
+    for name, prop in schema.get("properties", {}).items():
+        if name not in required and not _accepts_null(prop):
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}]}
+
+
+def _accepts_null(prop: dict) -> bool:
+    return prop.get("type") == "null" or any(
+        alt.get("type") == "null" for alt in prop.get("anyOf", [])
+    )
+
+
+def _drop_validation_errors(schema: dict) -> None:
+    """FastAPI declares a 422 for routes with parameters; these routes never return one."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)

@@ -1,0 +1,191 @@
+"""A request body turned into engine work: parse, validate, check limits, template, tokenize.
+
+Everything here is synchronous and runs in the prepare pool, off the event loop; every
+limit is checked before the step it protects (characters before tokenizing, tokens after).
+Errors are ApiErrors naming the field and the limit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ValidationError
+
+from prefixcache.engine.sampling import SamplingParams, fold_seed
+from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.server import openai_format
+from prefixcache.server.errors import ApiError, field_path
+from prefixcache.server.json_body import load_json
+from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+Prompts = list[list[int]]  # one token-id prompt per engine request
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareContext:
+    """What preparing reads (fixed once the server starts, so safe from any thread)."""
+
+    tokenizer: Tokenizer
+    model_name: str
+    context: int  # the model's context in tokens
+    vocab_size: int
+    max_prompt_chars: int
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for the engine: one token-id prompt per engine request."""
+
+    body: SamplingFields
+    prompts: Prompts
+    params: SamplingParams
+    shape: openai_format.Shape
+
+
+def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
+    """A chat body: its messages' text bounded, templated and tokenized."""
+    body = _parse(raw, ChatCompletionRequest, ctx)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > ctx.max_prompt_chars:
+        raise ApiError(400, _too_many_chars("messages", chars, ctx), "messages")
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages)
+    except ValueError as error:
+        raise ApiError(400, f"messages: {error}", "messages") from None
+    prompts = [ctx.tokenizer.encode(text)]
+    _check_tokens(prompts, ctx, "messages")
+    return Prepared(body, prompts, _sampling(body, prompts, ctx), _shape(body, ctx, chat=True))
+
+
+def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
+    """A completions body: each prompt bounded, then tokenized (or its ids checked)."""
+    body = _parse(raw, CompletionRequest, ctx)
+    for i, prompt in enumerate(body.prompt):
+        _check_prompt_size(i, prompt, ctx)
+    texts = [p for p in body.prompt if isinstance(p, str)]
+    encoded = iter([ctx.tokenizer.encode(text, add_special_tokens=True) for text in texts])
+    prompts = [next(encoded) if isinstance(p, str) else p for p in body.prompt]
+    _check_tokens(prompts, ctx, "prompt")
+    shape = _shape(body, ctx, chat=False)
+    if body.echo:
+        shape.echo = [
+            p if isinstance(p, str) else ctx.tokenizer.decode(p, skip_special_tokens=False)
+            for p in body.prompt
+        ]
+    return Prepared(body, prompts, _sampling(body, prompts, ctx), shape)
+
+
+def _parse(raw: bytes, schema: type[BaseModel], ctx: PrepareContext) -> SamplingFields:
+    """The body as ``schema``: 400 for bad JSON or a bad field, 404 for another model."""
+    data = load_json(raw)
+    try:
+        body = schema.model_validate(data)
+    except ValidationError as error:
+        raise _field_error(error) from None
+    unsupported = body.unsupported_field()
+    if unsupported:
+        raise ApiError(400, unsupported[1], unsupported[0])
+    if body.model != ctx.model_name:
+        raise ApiError(404, no_such_model(body.model, ctx.model_name), "model")
+    return body
+
+
+def no_such_model(name: str, served: str) -> str:
+    return f"model {name!r} does not exist; this server serves {served!r}"
+
+
+def _field_error(error: ValidationError) -> ApiError:
+    """400 naming the first bad field (its path) and what it accepts."""
+    first = error.errors()[0]
+    field = field_path(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"{field}: {message}", field)
+
+
+def _too_many_chars(field: str, chars: int, ctx: PrepareContext) -> str:
+    return (
+        f"{field} has {chars} characters; at most {ctx.max_prompt_chars} can fit this "
+        f"model's context of {ctx.context} tokens"
+    )
+
+
+def _check_prompt_size(index: int, prompt: str | list[int], ctx: PrepareContext) -> None:
+    """Before tokenizing: characters of a text prompt, the vocabulary of token ids."""
+    if isinstance(prompt, str):
+        if len(prompt) > ctx.max_prompt_chars:
+            raise ApiError(400, _too_many_chars(f"prompt {index}", len(prompt), ctx), "prompt")
+        return
+    bad = next((t for t in prompt if t >= ctx.vocab_size), None)
+    if bad is not None:
+        message = f"prompt {index}: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})"
+        raise ApiError(400, message, "prompt")
+
+
+def _check_tokens(prompts: Prompts, ctx: PrepareContext, param: str) -> None:
+    """Every prompt leaves room for at least one generated token."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= ctx.context:
+            name = "messages" if param == "messages" else f"prompt {i}"
+            raise ApiError(
+                400,
+                f"{name} has {len(prompt)} tokens; this model's context is {ctx.context} "
+                "tokens (including at least 1 generated)",
+                param,
+            )
+
+
+def _check_room(limit: int | None, prompts: Prompts, context: int) -> None:
+    """400 unless every prompt leaves room for the requested tokens (at least 1)."""
+    for prompt in prompts:
+        room = context - len(prompt)
+        if room < 1 or (limit is not None and limit > room):
+            raise ApiError(
+                400,
+                f"this model's context is {context} tokens; the prompt has "
+                f"{len(prompt)} and {limit or 1} more were requested",
+                "max_tokens",
+            )
+
+
+def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> SamplingParams:
+    """Sampling parameters, with the token limit checked against the context."""
+    limit = body.token_limit()
+    _check_room(limit, prompts, ctx.context)
+    longest = max(len(p) for p in prompts)
+    prompt_logprobs = getattr(body, "prompt_logprob_count", lambda: None)()
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=ctx.context - longest if limit is None else limit,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k_limit(),
+            min_p=body.min_p,
+            seed=None if body.seed is None else fold_seed(body.seed),
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.bias(),
+            logprobs=body.logprob_count(),
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as error:  # a combination out of range (min_tokens > max_tokens, ...)
+        raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
+
+
+def _shape(body: SamplingFields, ctx: PrepareContext, chat: bool) -> openai_format.Shape:
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    return openai_format.Shape(
+        request_id,
+        body.model,
+        chat,
+        body.n,
+        ctx.tokenizer,
+        logprobs=body.logprob_count() is not None,
+    )
