@@ -183,6 +183,8 @@ def test_errors_models_health_and_metrics(cluster: Cluster) -> None:
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["model"] == "tiny"
         assert [r["healthy"] for r in health["replicas"]] == [True, True]
+        # the replicas' /metrics need an admin key: the router shows the key file's
+        assert [r["load_error"] for r in health["replicas"]] == [None, None]
         metrics = client.get("/metrics").text
         assert "prefixcache_router_requests_total" in metrics
         assert "prefixcache_router_replica_healthy" in metrics

@@ -81,6 +81,7 @@ class RouterState:
             client,
             health_timeout_s=config.health_timeout_s,
             use_events=config.use_events,
+            metrics_headers=config.tenants.admin_headers(),
         )
         metrics = RouterMetrics(fleet)
         router = Router(fleet, index, config.policy, metrics, config.expect_grace_s)
@@ -110,6 +111,7 @@ class RouterState:
                 "index_blocks": self.index.counts(r.url)._asdict(),
                 "kv_events": _feed_stats(r.feed.stats) if r.feed else None,
                 "error": r.last_error,
+                "load_error": r.load_error,
             }
             for r in self.fleet.replicas.values()
         ]

@@ -131,5 +131,11 @@ def run_route(args: argparse.Namespace) -> int:
             "secret, so no digest will match theirs and only the router's own placements count",
             flush=True,
         )
+    if args.api_key_file and not config.tenants.admin_headers():
+        print(
+            "warning: the key file has no admin tenant: replicas' /metrics need an admin key, "
+            "so the router cannot read their load and balances on its own in-flight counts",
+            flush=True,
+        )
     uvicorn.run(create_router_app(config), host=args.host, port=args.port, log_level="info")
     return 0

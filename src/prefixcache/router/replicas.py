@@ -104,6 +104,7 @@ class Replica:
     external_load: float = 0.0  # running + waiting it reported, less our in-flight then
     refused: str | None = None  # why it is kept out despite answering
     last_error: str | None = None
+    load_error: str | None = "not read yet"  # why its /metrics could not be read, last time
     feed: EventFeed | None = None
 
     @property
@@ -123,11 +124,13 @@ class Fleet:
         *,
         health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
         use_events: bool = True,
+        metrics_headers: dict[str, str] | None = None,
     ) -> None:
         self.replicas = {url: Replica(url) for url in dict.fromkeys(u.rstrip("/") for u in urls)}
         self.index, self.client = index, client
         self.health_timeout_s = health_timeout_s
         self.use_events = use_events
+        self.metrics_headers = metrics_headers or {}  # a replica's /metrics needs an admin key
         self.namespace: ClusterNamespace | None = None
 
     def healthy(self) -> list[Replica]:
@@ -271,12 +274,15 @@ class Fleet:
         ours = replica.in_flight
         try:
             response = await self.client.get(
-                f"{replica.url}/metrics", timeout=self.health_timeout_s
+                f"{replica.url}/metrics",
+                headers=self.metrics_headers,
+                timeout=self.health_timeout_s,
             )
             response.raise_for_status()
             replica.external_load = max(0.0, parse_load(response.text) - ours)
-        except (httpx.HTTPError, ValueError):
-            pass  # load stays as last seen; health decides membership
+            replica.load_error = None
+        except (httpx.HTTPError, ValueError) as error:
+            replica.load_error = describe(error)  # load stays as last seen; health decides
 
 
 def describe(error: Exception) -> str:
