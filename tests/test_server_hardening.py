@@ -392,3 +392,19 @@ def test_openapi_declares_the_bodies_and_every_status(keyed):
     assert {"401", "403"} <= set(schema["paths"]["/admin/reset_prefix_cache"]["post"]["responses"])
     assert "422" not in json.dumps(schema)
     assert components["ChatMessage"]["properties"]["content"]["anyOf"][0] == {"type": "string"}
+
+
+def test_preparation_runs_below_the_engine_priority():
+    import os
+    import threading
+
+    import anyio
+
+    from prefixcache.server.prepare_pool import NICENESS, PreparePool
+
+    def own_niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = own_niceness()
+    assert anyio.run(PreparePool(1).run, own_niceness) == max(before, NICENESS)
+    assert own_niceness() == before  # the caller (here: the engine's side) keeps its priority
