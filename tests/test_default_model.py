@@ -46,13 +46,15 @@ def test_a_second_request_with_the_same_system_prompt_reuses_it(llm):
     assert_pool_clean(llm.engine)
 
 
-def test_logits_match_transformers_on_the_same_gguf(llm):
+def test_logits_match_transformers_on_the_same_gguf():
+    """The dequantized path is exact (the int4 default: tests/test_quantized.py)."""
     from transformers import AutoModelForCausalLM
 
     path = default_model().source
     reference = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
+    llm = LLM(num_kv_blocks=64, quantized_weights=False)
     prompt = llm.tokenizer.encode("Paged attention reads keys through block tables.")
     with torch.inference_mode():
         expected = reference(torch.tensor([prompt])).logits[0, -1]

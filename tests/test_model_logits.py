@@ -204,6 +204,22 @@ def test_batched_decode_of_different_lengths(pair: Pair) -> None:
         _close(torch.cat(rest), ref[n:])
 
 
+def test_a_lone_decode_appends_to_its_copy_and_rebuilds_after_other_work(pair: Pair) -> None:
+    runner = Runner(pair, seed=7)
+    seq, other = runner.new_seq(_tokens(19, 50)), runner.new_seq(_tokens(9, 51))
+    ref = hf_logits(pair, seq.tokens)
+    runner.step([(seq, 11), (other, 9)])
+    rebuilt = []
+    for step in range(8):  # lone decodes; the fifth comes after another sequence's forward
+        if step == 4:
+            runner.append(other, _tokens(1, 52))
+            runner.step([(other, 1)])
+        (logits,) = runner.step([(seq, 1)])
+        rebuilt.append(runner.model.lone.rebuild)
+        _close(logits, ref[11 + step : 12 + step])
+    assert rebuilt == [True, False, False, False, True, False, False, False]
+
+
 def test_mixed_batch_of_prefills_and_decodes(pair: Pair) -> None:
     runner = Runner(pair, seed=4)
     a, b = runner.new_seq(_tokens(10, 20)), runner.new_seq(_tokens(7, 21))

@@ -57,6 +57,7 @@ class DecodeBatch:
     block_ids: torch.Tensor  # [num_seqs * max_blocks] padded block tables, flattened
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool, True = attend
     bias: torch.Tensor | None = None  # the mask as fp32 0/-inf, for group members
+    num_keys: int = 0  # keys of the longest sequence (a lone one needs no mask: it is cut)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillSeq, ...]
     shared_prefixes: tuple[SharedPrefix, ...] = ()
     shared_decode: DecodeBatch | None = None  # group members' decode rows, past the prefix
+    lone_table: tuple[int, ...] | None = None  # blocks of a lone decode row (lone_decode.py)
 
     @property
     def num_tokens(self) -> int:
@@ -126,12 +128,16 @@ class AttentionMetadata:
             for i in seqs:
                 key_starts[i] = num_blocks * block_size
         parts = _Parts(query_lens, context_lens, block_tables, block_size, starts, key_starts)
+        lone = None
+        if query_lens == [1]:
+            lone = tuple(block_tables[0][: cdiv(context_lens[0], block_size)])
         return cls(
             list(query_lens), list(context_lens), block_size,
             torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
             torch.tensor(starts[1:], dtype=torch.long) - 1,
             parts.decode(shared=False), parts.prefills(),
             tuple(parts.shared_prefix(seqs, n) for seqs, n in groups), parts.decode(shared=True),
+            lone,
         )  # fmt: skip
 
 
@@ -292,7 +298,8 @@ class _Parts:
         rows = _rows([range(self.starts[i], self.starts[i] + 1) for i in seqs])
         block_ids = torch.tensor(padded, dtype=torch.long)
         mask = mask[:, None, None, :]
-        return DecodeBatch(rows, len(seqs), block_ids, mask, _bias(mask) if shared else None)
+        bias = _bias(mask) if shared else None
+        return DecodeBatch(rows, len(seqs), block_ids, mask, bias, max(lens))
 
     def shared_prefix(self, seqs: list[int], num_blocks: int) -> SharedPrefix:
         """The group's shared blocks and all of its members' query rows."""
@@ -354,6 +361,23 @@ def paged_attention(
     return out
 
 
+def lone_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query row `[1, heads, dim]` over all its keys/values `[1, kv_heads, L, dim]`."""
+    num_heads, head_dim = q.shape[1:]
+    grouped = q.reshape(1, keys.shape[1], num_heads // keys.shape[1], head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys.to(q.dtype), values.to(q.dtype), scale=scale)
+    return out.reshape(q.shape)
+
+
+def gather_context(
+    cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[num_tokens, kv_heads, dim]` of a context held in `block_ids`, in order."""
+    return _gather(cache, 0, block_ids)[:num_tokens], _gather(cache, 1, block_ids)[:num_tokens]
+
+
 def _gather(cache: torch.Tensor, which: int, block_ids: torch.Tensor) -> torch.Tensor:
     """K (which=0) or V (1) of `block_ids`, concatenated: `[len * block_size, heads, dim]`."""
     blocks = cache.select(1, which).index_select(0, block_ids)
@@ -368,6 +392,8 @@ def _decode_kv(
     num_kv_heads = cache.shape[3]
     k = _gather(cache, 0, decode.block_ids).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = _gather(cache, 1, decode.block_ids).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if n == 1:  # a lone sequence: cut its keys to its length instead of masking the rest
+        k, v = k[:, :, : decode.num_keys], v[:, :, : decode.num_keys]
     grouped = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     return grouped, k.to(q.dtype), v.to(q.dtype)
 
@@ -377,7 +403,8 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One query per sequence; the query heads of a KV group become that group's rows."""
     grouped, k, v = _decode_kv(q, cache, decode)
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=decode.mask, scale=scale)
+    mask = None if decode.num_seqs == 1 else decode.mask
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     return out.reshape(q.shape)
 
 
@@ -387,7 +414,8 @@ def _decode_attention_lse(
     """`_decode_attention` that also returns each row's log-sum-exp `[n, heads]`."""
     assert decode.bias is not None
     grouped, k, v = _decode_kv(q, cache, decode)
-    out, lse = attention_with_lse(grouped, k, v, scale, decode.bias.to(q.dtype))
+    bias = None if decode.num_seqs == 1 else decode.bias.to(q.dtype)
+    out, lse = attention_with_lse(grouped, k, v, scale, bias)
     return out.reshape(q.shape), lse.reshape(q.shape[:2])
 
 

@@ -66,6 +66,7 @@ class EngineConfig:
     eviction_policy: str = DEFAULT_POLICY
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
+    quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
@@ -73,8 +74,8 @@ class EngineConfig:
     kv_tier_max_bytes: int | None = None  # the disk tier's size cap (default 4 GiB)
     kv_tier_max_wait: float = 0.5  # seconds a request may wait for its tier blocks, at most
     kv_tier_min_wait: float = 0.0  # ... and at least (a floor under the estimate)
-
     owner_shares: dict[str, float] | None = None  # fair cache: owner -> share ({}: equal)
+
 
 class LLMEngine:
     """The synchronous core: add requests, call ``step()`` until they finish."""
@@ -85,6 +86,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(model_config, dtype=config.dtype)
         self.model.load_weights(loaded.state_dict)
+        self.int4_weights = (
+            self.model.quantize(loaded.quantized) if config.quantized_weights else []
+        )
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
         self.kv_store = KVStore(
@@ -100,6 +104,7 @@ class LLMEngine:
             revision=model_config.revision,
             dtype=str(config.dtype).removeprefix("torch."),
             block_size=config.block_size,
+            extra=(("weights", "int4"),) if self.int4_weights else (),
         )
         self.manager = KVCacheManager(
             self.num_blocks,
@@ -108,12 +113,12 @@ class LLMEngine:
             namespace=namespace,
             eviction_policy=config.eviction_policy,
             index=config.index,
+            owner_shares=config.owner_shares,
         )
         self.tier = self._open_tier(config) if config.kv_tier else None
         self.scheduler = Scheduler(
             self.manager,
             config.max_num_seqs,
-            owner_shares=config.owner_shares,
             config.max_num_batched_tokens,
             cache_aware=config.cache_aware_scheduling,
             loader=self.tier,
@@ -186,12 +191,12 @@ class LLMEngine:
         min_hit_tokens: int = 0,
         zero_on_evict: bool = False,
         use_tier: bool = True,
+        owner: str | None = None,
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
         A cache hit shorter than ``min_hit_tokens`` counts as a miss; with ``zero_on_evict``
         the request's blocks are zeroed before their slots are reused; with ``use_tier``
-        owner: str | None = None,
         off it neither reads nor writes the second KV tier. ``owner`` (a tenant) is whose
         cache share its blocks count against. A request that asks for prompt logprobs
         computes its whole prompt (a cached prefix has no logits): its own hit is skipped and
@@ -220,12 +225,12 @@ class LLMEngine:
             zero_on_evict=zero_on_evict,
             new_decoder=self.tokenizer.incremental_decoder,
             use_tier=use_tier,
+            owner=owner,
         )
         if self.tier is not None:
             self.tier.prefetch(request)
         self.scheduler.add(request.branches[0])
         self.requests[request_id] = request
-            owner=owner,
         return request
 
     def _check_prompt(self, prompt: list[int]) -> None:

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.engine.attention import AttentionMetadata, paged_attention
+from prefixcache.engine.attention import AttentionMetadata, lone_attention, paged_attention
 from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.lone_decode import LoneDecode
+from prefixcache.engine.quant import Int4Linear, Q4Blocks, Q8Blocks, can_pack
 
 # Checkpoint tensors that carry no weights (old HF exports saved the RoPE frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -22,6 +25,28 @@ def _param(*shape: int, dtype: torch.dtype, device: str = "cpu") -> nn.Parameter
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+class DenseLinear:
+    """`y = x W^T` on a dense weight (the layer's parameter)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+Linear = DenseLinear | Int4Linear
+# Each layer's projections: attribute -> (its parameter, the HF tensors fused into it).
+_PROJECTIONS = {
+    "qkv": ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "o": ("o_proj", ("self_attn.o_proj",)),
+    "gate_up": ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    "down": ("down_proj", ("mlp.down_proj",)),
+}
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Hugging Face computes it: normalise in fp32, scale in the model dtype."""
     if x.dtype == torch.float32:
@@ -30,7 +55,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """RoPE cos/sin tables per position (half-rotation convention), grown on demand."""
+    """RoPE tables per position (half-rotation convention), grown on demand.
+
+    `cos` is `[cos, cos]` and `sin` is `[-sin, sin]` over the head dim, so a rotation is one
+    multiply-add with the half-swapped input (`apply_rope`).
+    """
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -39,10 +68,11 @@ class Rotary:
 
     def _build(self, num_positions: int) -> None:
         freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * self.inv_freq
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos, self.sin = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin for each position, shaped `[T, 1, head_dim // 2]` to broadcast over heads."""
+        """cos, sin for each position, shaped `[T, 1, head_dim]` to broadcast over heads."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.cos.shape[0]:
             self._build(1 << (needed - 1).bit_length())
@@ -50,9 +80,12 @@ class Rotary:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `[T, heads, head_dim]` by position; equals HF's `x * cos + rotate_half(x) * sin`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate `[T, heads, head_dim]` by position; equals HF's `x * cos + rotate_half(x) * sin`.
+
+    Rolling by half the head dim gives `[x2, x1]`; with `sin` = `[-sin, sin]` that is
+    `rotate_half(x) * sin`.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +105,29 @@ class DecoderLayer(nn.Module):
         self.down_proj = param(c.hidden_size, c.intermediate_size)
         self.input_layernorm = param(c.hidden_size)
         self.post_attention_layernorm = param(c.hidden_size)
+        self.qkv: Linear = DenseLinear(self.qkv_proj)
+        self.o: Linear = DenseLinear(self.o_proj)
+        self.gate_up: Linear = DenseLinear(self.gate_up_proj)
+        self.down: Linear = DenseLinear(self.down_proj)
+
+    def quantize(self, prefix: str, blocks: Mapping[str, Q4Blocks | Q8Blocks]) -> list[str]:
+        """Run each projection whose HF tensors all have int4 blocks on them; their names.
+
+        The dense parameter of a quantized projection is dropped (emptied).
+        """
+        done = []
+        for attr, (param_name, parts) in _PROJECTIONS.items():
+            names = [f"{prefix}{part}.weight" for part in parts]
+            found = [b for b in map(blocks.get, names) if isinstance(b, Q4Blocks)]
+            if len(found) < len(names):
+                continue
+            fused = Q4Blocks.cat(found)
+            if not can_pack(fused.shape):
+                continue
+            setattr(self, attr, Int4Linear(fused))
+            getattr(self, param_name).data = torch.empty(0, dtype=self.input_layernorm.dtype)
+            done += names
+        return done
 
     def forward(
         self,
@@ -80,13 +136,14 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         kv_store: KVStore,
         layer: int,
+        lone: LoneDecode | None = None,
     ) -> torch.Tensor:
         """Update the residual stream `h` `[T, hidden]` in place and return it."""
         x = rms_norm(h, self.input_layernorm, self.eps)
-        h += F.linear(self._attention(x, rope, metadata, kv_store, layer), self.o_proj)
+        h += self.o(self._attention(x, rope, metadata, kv_store, layer, lone))
         x = rms_norm(h, self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        h += F.linear(F.silu(gate).mul_(up), self.down_proj)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        h += self.down(F.silu(gate).mul_(up))
         return h
 
     def _attention(
@@ -96,14 +153,18 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         kv_store: KVStore,
         layer: int,
+        lone: LoneDecode | None,
     ) -> torch.Tensor:
         """Project, rotate, store the whole batch's K/V, then attend: `[T, heads * head_dim]`."""
         num_tokens, qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = F.linear(x, self.qkv_proj)
+        qkv = self.qkv(x)
         qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
         kv_store.write(layer, k, v, metadata.slot_mapping)
+        if lone is not None:
+            keys, values = lone.extend(layer, k, v, kv_store.layers[layer])
+            return lone_attention(q, keys, values, self.scale).reshape(num_tokens, -1)
         out = paged_attention(q, kv_store.layers[layer], metadata, self.scale, k, v)
         return out.reshape(num_tokens, -1)
 
@@ -127,6 +188,11 @@ class LlamaModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = param(config.vocab_size, config.hidden_size)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.head: DenseLinear | Int4Head = DenseLinear(self._head_weight())
+        self.lone = LoneDecode()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     @torch.inference_mode()
     def forward(
@@ -139,15 +205,16 @@ class LlamaModel(nn.Module):
         """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm."""
         rope = self.rotary(positions, self.dtype)
         h = F.embedding(input_ids, self.embed_tokens)
+        is_lone = self.lone.prepare(metadata, kv_store.layers[0], len(self.layers))
+        lone = self.lone if is_lone else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, metadata, kv_store, i)
+            h = layer(h, rope, metadata, kv_store, i, lone)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits `[N, vocab]` for the rows of `hidden` that need them."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head)
+        return self.head(hidden)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face Llama-named tensors in; ValueError lists every mismatch first."""
@@ -159,6 +226,22 @@ class LlamaModel(nn.Module):
         with torch.no_grad():
             for name, target in targets.items():
                 target.copy_(torch.as_tensor(state_dict[name]))
+
+    def quantize(self, blocks: Mapping[str, Q4Blocks | Q8Blocks]) -> list[str]:
+        """After `load_weights`: run what `blocks` (HF names) cover on int4 weights.
+
+        Layer projections with Q4 blocks, and an fp32 model's output matrix (`Int4Head`,
+        Q4 or Q8_0); norms and the embedding lookup stay dense. Returns the HF names done.
+        """
+        done = []
+        for i, layer in enumerate(self.layers):
+            done += layer.quantize(f"model.layers.{i}.", blocks)
+        name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        head = blocks.get(name)
+        if head is not None and self.dtype == torch.float32 and can_pack(head.codes.shape):
+            self.head = Int4Head(head, self._head_weight().detach())
+            done.append(name)
+        return done
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it fills: the model's tensor mapping."""

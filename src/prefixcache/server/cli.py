@@ -88,6 +88,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--threads", type=positive_int, help="torch intra-op threads (default: torch's choice)"
     )
     serve.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="run a GGUF's Q4/Q8_0 weights dequantized to fp32 (exact, slower decode; "
+        "default: torch's int4 kernel, bf16 activations at each matmul)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT,
@@ -223,6 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 cache_aware_scheduling=args.cache_aware_scheduling,
                 eviction_policy=args.eviction_policy,
                 index=args.index,
+                quantized_weights=not args.dequantize,
                 zero_on_evict=args.zero_on_evict,
                 log_cache_keys=args.log_cache_keys,
                 kv_tier=args.kv_tier,

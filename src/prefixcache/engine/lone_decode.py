@@ -1,0 +1,71 @@
+"""A contiguous copy of the K/V of a sequence that decodes alone, so a step appends one token.
+
+Paged attention gathers a sequence's blocks every step: for one 550-token sequence that is
+26 MB of copies a step over 30 layers, about as much as the int4 weights. When a step's
+batch is one decode row and the previous forward was the previous step of the same
+sequence (same physical blocks, one token shorter), the copy from that step is still
+exact: positions below the new token never change while a sequence holds its blocks
+(shared blocks are immutable, its own are written only by its own forwards, and copies,
+zeroing and tier loads between steps touch other blocks). Anything else rebuilds the copy
+from the pool, which stays the one source of truth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixcache.engine.attention import AttentionMetadata, gather_context
+
+
+class LoneDecode:
+    """Per layer `[kv_heads, capacity, head_dim]` K and V of the lone decoding sequence."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.table: tuple[int, ...] = ()
+        self.length = 0  # tokens held, once this forward's token is in
+        self.rebuild = True
+        self._block_ids = torch.empty(0, dtype=torch.long)
+        self._previous_forward = -2
+        self._forward = 0
+
+    def prepare(self, metadata: AttentionMetadata, cache: torch.Tensor, num_layers: int) -> bool:
+        """Start a forward; True when it is a lone decode (then `extend` every layer)."""
+        self._forward += 1
+        table = metadata.lone_table
+        if table is None:
+            return False
+        length = metadata.context_lens[0]
+        self.rebuild = not (
+            self._previous_forward == self._forward - 1
+            and length == self.length + 1
+            and table[: len(self.table)] == self.table
+        )
+        if not self.keys or length > self.keys[0].shape[1]:
+            self._allocate(length, cache, num_layers)
+        if self.rebuild:
+            self._block_ids = torch.tensor(table, dtype=torch.long)
+        self.table, self.length, self._previous_forward = table, length, self._forward
+        return True
+
+    def _allocate(self, length: int, cache: torch.Tensor, num_layers: int) -> None:
+        capacity = max(256, 1 << (length - 1).bit_length())
+        shape = (cache.shape[3], capacity, cache.shape[4])
+        self.keys = [torch.empty(shape, dtype=cache.dtype) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=cache.dtype) for _ in range(num_layers)]
+        self.rebuild = True
+
+    def extend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's `k`, `v` `[1, kv_heads, dim]`; all keys, values `[1, kv, L, dim]`."""
+        keys, values, n = self.keys[layer], self.values[layer], self.length
+        if self.rebuild:
+            k_all, v_all = gather_context(cache, self._block_ids, n)
+            keys[:, :n].copy_(k_all.transpose(0, 1))
+            values[:, :n].copy_(v_all.transpose(0, 1))
+        else:
+            keys[:, n - 1].copy_(k[0])
+            values[:, n - 1].copy_(v[0])
+        return keys[None, :, :n], values[None, :, :n]
