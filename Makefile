@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tier.py
 	$(BIN)/python benchmarks/cluster.py
 	$(BIN)/python benchmarks/policies.py
+	$(BIN)/python benchmarks/fairness.py
+	$(BIN)/python benchmarks/hardening.py
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab
@@ -52,3 +54,20 @@ clean:
 .PHONY: compat
 compat: $(STAMP)
 	$(BIN)/python compat/run.py --python $(PYTHON)
+
+# llama.cpp side by side (benchmarks/peers.py) on the same GGUF, prompts and threads. The peer
+# runs in its own venv, .venv-peers: pip compiles llama.cpp from source (CPU only, this
+# machine's instruction set). Not part of `make test` or `make bench`.
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+
+$(PEERS_STAMP): benchmarks/peers-requirements.txt
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install --quiet --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF" \
+		$(PEERS)/bin/pip install --quiet --no-cache-dir -r benchmarks/peers-requirements.txt
+	touch $(PEERS_STAMP)
+
+.PHONY: bench-peers
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS)/bin/python

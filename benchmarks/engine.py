@@ -6,6 +6,12 @@ prefix caching on and off; the first also through transformers' ``generate`` on 
 same weights, one request at a time. Then two micro-measurements: prefill of a
 2,000-token prompt per token, and decode of 32 sequences at once vs one at a time.
 Throughput counts prompt + generated tokens per second of wall time.
+
+Then issue 12's cases (also the ones `benchmarks/peers.py` runs beside llama.cpp): a
+540-token document followed by 16 different questions, 8 tokens out, greedy: the 16
+requests one at a time (total, and TTFT p50 of the 15 that find the document cached), all
+16 at once, and the decode speed of a single sequence. `--document` runs only those;
+`--kernels` times the int4 kernel against the dense matmul per batch size instead.
 """
 
 from __future__ import annotations
@@ -29,6 +35,102 @@ WORDS = [
 
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def document_prompts(tokenizer, questions: int = 16, doc_tokens: int = 540) -> list[list[int]]:
+    """A `doc_tokens`-token document (BOS first), then one different question per prompt."""
+    rng = random.Random(12)
+    document = tokenizer.encode(text(rng, doc_tokens), add_special_tokens=True)[:doc_tokens]
+    asks = [
+        f"\n\nQuestion {i + 1}: how often does the word '{rng.choice(WORDS)}' come right "
+        f"after '{rng.choice(WORDS)}' above?\nAnswer:"
+        for i in range(questions)
+    ]
+    return [document + tokenizer.encode(ask) for ask in asks]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_one_at_a_time(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) -> dict:
+    """Each prompt after the previous one finished: total seconds, cached-request TTFT p50."""
+    start = time.perf_counter()
+    outputs = [llm.generate([p], greedy(max_tokens))[0] for p in prompts]
+    cached = [o.metrics.ttft for o in outputs[1:]]
+    return {"seconds": time.perf_counter() - start, "ttft_p50": statistics.median(cached)}
+
+
+def run_at_once(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) -> dict:
+    """All prompts submitted together: total seconds."""
+    start = time.perf_counter()
+    llm.generate(prompts, greedy(max_tokens))
+    return {"seconds": time.perf_counter() - start}
+
+
+def run_decode(llm: LLM, prompt: list[int], tokens: int = 64) -> dict:
+    """One sequence: tokens per second after its first token."""
+    start = time.perf_counter()
+    (output,) = llm.generate([prompt], greedy(tokens + 1))
+    elapsed = time.perf_counter() - start
+    return {"tokens_per_s": tokens / (elapsed - output.metrics.ttft)}
+
+
+def document_cases(llm: LLM, prompts: list[list[int]]) -> dict:
+    """Issue 12's cases on one engine, each starting from an empty cache."""
+    results = {}
+    for name, run in (("one at a time", run_one_at_a_time), ("16 at once", run_at_once)):
+        llm.engine.manager.reset()
+        results[name] = run(llm, prompts)
+    llm.engine.manager.reset()
+    results["decode"] = run_decode(llm, prompts[0])
+    return results
+
+
+def document_lines(results: dict) -> list[str]:
+    one, many, decode = results["one at a time"], results["16 at once"], results["decode"]
+    return [
+        "document + 16 questions, 8 tokens out, greedy:",
+        f"  one at a time {one['seconds']:6.2f}s   cached TTFT p50 {one['ttft_p50']:6.3f}s",
+        f"  16 at once    {many['seconds']:6.2f}s",
+        f"  single-sequence decode {decode['tokens_per_s']:6.1f} tok/s",
+    ]
+
+
+def weight_bytes_per_token(model) -> int:
+    """Weight bytes one decode step reads: each projection and the output matrix."""
+    from prefixcache.engine.int4_head import Int4Head
+    from prefixcache.engine.quant import Int4Linear
+
+    def nbytes(linear) -> int:
+        if isinstance(linear, Int4Linear):
+            return linear.nbytes_read
+        if isinstance(linear, Int4Head):
+            return linear.planes.nbytes_read
+        return linear.weight.numel() * linear.weight.element_size()
+
+    layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in model.layers]
+    return sum(nbytes(linear) for group in layers for linear in group) + nbytes(model.head)
+
+
+def kernel_lines(max_rows: int = 64) -> list[str]:
+    """The int4 kernel vs the dense fp32 matmul on W', per batch size, over 30 layers."""
+    from prefixcache.engine import quant
+
+    loaded = load_model()
+    linears = [quant.Int4Linear(b) for n, b in loaded.quantized.items() if ".mlp.gate_proj" in n]
+    lines = ["int4 kernel vs dense matmul (gate_proj of every layer, ms per pass):"]
+    for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, max_rows):
+        x = torch.randn(rows, linears[0].weight.shape[1]).bfloat16()
+        timings = []
+        for run in (quant.int4_matmul, quant.dense_matmul):
+            start = time.perf_counter()
+            for _ in range(5):
+                for linear in linears:
+                    run(linear, x)
+            timings.append((time.perf_counter() - start) / 5 * 1e3)
+        lines.append(f"  rows {rows:3}: int4 {timings[0]:7.2f}   dense {timings[1]:7.2f}")
+    return lines
 
 
 def shared_prompt_workload(rng: random.Random, requests: int) -> list[list[dict]]:
@@ -159,8 +261,21 @@ def main() -> None:
         "on this many of the shared-prompt requests",
     )
     parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--document", action="store_true", help="only issue 12's cases")
+    parser.add_argument("--kernels", action="store_true", help="only the int4/dense sweep")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    if args.kernels:
+        for weights in ("int4", "dequantized"):
+            llm = LLM(num_kv_blocks=16, quantized_weights=weights == "int4")
+            mb = weight_bytes_per_token(llm.engine.model) / 1e6
+            print(f"weight bytes per decoded token, {weights}: {mb:.1f} MB")
+        print("\n".join(kernel_lines()))
+        return
+    if args.document:
+        llm = LLM()
+        print("\n".join(document_lines(document_cases(llm, document_prompts(llm.tokenizer)))))
+        return
     results = {}
     engines = {
         "cache on": LLM(enable_prefix_caching=True),
@@ -206,6 +321,8 @@ def main() -> None:
     slower = 1 - nr_on["throughput"] / nr_off["throughput"]
     print(f"  no reuse: cache on is {slower:+.1%} slower than off (goal <= 3%)")
     print("\n".join(micro(engines["cache off"], reference)))
+    prompts = document_prompts(loaded.tokenizer)
+    print("\n".join(document_lines(document_cases(engines["cache on"], prompts))))
 
 
 if __name__ == "__main__":
