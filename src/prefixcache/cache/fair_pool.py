@@ -62,11 +62,7 @@ class FairPool:
             block.ref_cnt = 1
             holder[block.block_id] = owner
             taken.append(block)
-        free = self.num_free_blocks
-        if free < self.stats.min_free_blocks:
-            self.stats.min_free_blocks = free
-        if self.reused is not None:
-            self.reused.extend([block.block_id for block in taken])
+        self._note_taken(taken)
         return taken
 
     def touch(self, blocks: list[Block]) -> None:
