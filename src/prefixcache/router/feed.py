@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,7 +24,7 @@ from prefixcache.server.event_subscriber import (
     KVEventSubscriber,
     stream_of,
 )
-from prefixcache.server.events import END_SEQ, decode_batch
+from prefixcache.server.events import decode_batch, request_replay
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +62,10 @@ def replay_from(
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
-    got: list[tuple[int, bytes]] = []
     try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not dealer.poll(max(1, round(remaining * 1000))):
-                break
-            frames = dealer.recv_multipart()
-            if len(frames) < 2:
-                continue
-            if frames[-2] == END_SEQ:
-                return got
-            got.append((int.from_bytes(frames[-2], "big"), frames[-1]))
-        log.warning("KV events replay from %s timed out after %.1fs", endpoint, timeout_s)
+        got, complete = request_replay(dealer, start, timeout_s)
+        if not complete:
+            log.warning("KV events replay from %s timed out after %.1fs", endpoint, timeout_s)
         return got
     finally:
         dealer.close(linger=0)

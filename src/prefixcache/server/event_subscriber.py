@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 from prefixcache.cache.events import KVEvent
-from prefixcache.server.events import decode_batch
+from prefixcache.server.events import decode_batch, request_replay
 
 log = logging.getLogger(__name__)
 
@@ -205,23 +205,11 @@ class KVEventSubscriber:
         """Ask the replay socket for ``seq >= first``; keep ``first..last`` (bounded wait)."""
         if self._replay_endpoint is None:
             return {}
-        dealer = self._dealer_socket()
-        dealer.send_multipart([b"", first.to_bytes(8, "big")])
         self.replays_requested += 1
-        got: dict[int, bytes] = {}
-        deadline = time.monotonic() + self._replay_timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not dealer.poll(max(1, round(remaining * 1000))):
-                break
-            frames = dealer.recv_multipart()
-            if len(frames) < 2:
-                continue
-            seq_bytes, payload = frames[-2], frames[-1]
-            if not payload:
-                return got  # end marker: seq -1, empty payload
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if first <= seq <= last:
-                got[seq] = payload
+        batches, complete = request_replay(self._dealer_socket(), first, self._replay_timeout_s)
+        got = {seq: payload for seq, payload in batches if first <= seq <= last}
+        if complete:
+            return got
         log.warning("KV events replay timed out after %.1fs", self._replay_timeout_s)
         self._reset_dealer()  # late replies must not leak into the next replay
         return got

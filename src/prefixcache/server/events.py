@@ -129,6 +129,29 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
 # --- endpoints ---------------------------------------------------------------------
 
 
+def request_replay(
+    dealer: zmq.Socket, start: int, timeout_s: float
+) -> tuple[list[tuple[int, bytes]], bool]:
+    """Ask a replay socket (through ``dealer``) for every batch with ``seq >= start``.
+
+    Returns the ``(seq, payload)`` batches that arrived, in order, and whether the end
+    marker came before ``timeout_s`` (the client side of ``_serve_replay``, vLLM's exchange).
+    """
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    got: list[tuple[int, bytes]] = []
+    deadline = time.monotonic() + timeout_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not dealer.poll(max(1, round(remaining * 1000))):
+            break
+        frames = dealer.recv_multipart()
+        if len(frames) < 2:
+            continue
+        if frames[-2] == END_SEQ:
+            return got, True
+        got.append((int.from_bytes(frames[-2], "big", signed=True), frames[-1]))
+    return got, False
+
+
 def is_loopback_endpoint(endpoint: str) -> bool:
     """True for ipc/inproc and tcp on 127.0.0.0/8, ::1 or localhost; False for ``*``."""
     scheme, _, rest = endpoint.partition("://")
