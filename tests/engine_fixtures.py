@@ -18,6 +18,19 @@ def default_model() -> LoadedModel:
     return load_model()
 
 
+@cache
+def default_reference() -> torch.nn.Module:
+    """transformers' own model of the default GGUF, dequantized to float32, loaded once per
+    session (its GGUF loader takes ~20 s): the reference the exactness tests compare with."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model().source
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return reference.eval()
+
+
 def tiny_config(vocab_size: int, eos: tuple[int, ...]) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_fixtures import assert_pool_clean, default_model
+from engine_fixtures import assert_pool_clean, default_model, default_reference
 from prefixcache import LLM, SamplingParams
+from prefixcache.engine.engine import EngineConfig, LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -48,17 +49,12 @@ def test_a_second_request_with_the_same_system_prompt_reuses_it(llm):
 
 def test_logits_match_transformers_on_the_same_gguf():
     """The dequantized path is exact (the int4 default: tests/test_quantized.py)."""
-    from transformers import AutoModelForCausalLM
-
-    path = default_model().source
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    llm = LLM(num_kv_blocks=64, quantized_weights=False)
-    prompt = llm.tokenizer.encode("Paged attention reads keys through block tables.")
+    reference = default_reference()
+    loaded = default_model()
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, quantized_weights=False))
+    prompt = loaded.tokenizer.encode("Paged attention reads keys through block tables.")
     with torch.inference_mode():
         expected = reference(torch.tensor([prompt])).logits[0, -1]
-    engine = llm.engine
     engine.add_request("logits", prompt, SamplingParams(temperature=0, max_tokens=1))
     chunks = engine.scheduler.schedule()
     logits = engine._forward(chunks)[0]

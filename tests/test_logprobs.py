@@ -160,9 +160,7 @@ def test_logprob_limits_are_named(served):
 
 def test_prompt_logprobs_match_transformers_on_the_default_model():
     """Within 1e-4 nats per token, float32 on both sides (measured: 0.0, bit-identical)."""
-    from transformers import AutoModelForCausalLM
-
-    from engine_fixtures import default_model
+    from engine_fixtures import default_model, default_reference
     from prefixcache.engine.engine import EngineConfig, LLMEngine
 
     loaded = default_model()
@@ -170,10 +168,7 @@ def test_prompt_logprobs_match_transformers_on_the_default_model():
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, quantized_weights=False))
     prompt = loaded.tokenizer.encode("Paged attention reads keys and values through block tables.")
     ours = _prompt_logprobs(engine, prompt, k=5).prompt_logprobs
-    path = loaded.source
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    reference = default_reference()
     with torch.inference_mode():
         logp = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
     expected = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]

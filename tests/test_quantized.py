@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from engine_fixtures import default_model, run_to_completion
+from engine_fixtures import default_model, default_reference, run_to_completion
 from prefixcache.engine import quant
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.int4_head import Int4Head
@@ -183,12 +183,8 @@ def test_chunks_and_decodes_match_the_dequantized_reference(qpair: Pair) -> None
 
 
 def test_real_gguf_logits_near_transformers() -> None:
-    from transformers import AutoModelForCausalLM
-
     loaded = default_model()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(loaded.source.parent), gguf_file=loaded.source.name, dtype=torch.float32
-    )
+    reference = default_reference()
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt)

@@ -17,6 +17,7 @@ from prefixcache.router.policy import (
     POLICY_NAMES,
 )
 from prefixcache.router.replicas import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
+from prefixcache.server.limits import KEEP_ALIVE_TIMEOUT
 
 DEFAULT_PORT = 8080
 
@@ -137,5 +138,7 @@ def run_route(args: argparse.Namespace) -> int:
             "so the router cannot read their load and balances on its own in-flight counts",
             flush=True,
         )
-    uvicorn.run(create_router_app(config), host=args.host, port=args.port, log_level="info")
+    app = create_router_app(config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_keep_alive=KEEP_ALIVE_TIMEOUT)  # fmt: skip
     return 0

@@ -35,6 +35,7 @@ from prefixcache.server.fan_in import FanIn
 from prefixcache.server.guard import RequestGuard, RoutePolicy
 from prefixcache.server.limits import (
     DEFAULT_MAX_PENDING,
+    KEEP_ALIVE_TIMEOUT,
     MAX_HEADER_BYTES,
     PREPARE_THREADS,
     Limits,
@@ -519,6 +520,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, **options: object) -> uvi
         port=port,
         http=guarded_protocol(timeout),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
         **options,
     )
 

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 DEFAULT_MAX_PENDING = 256  # requests in flight before new ones get HTTP 429
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # request body (413)
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds to receive a request head, and then its body (408)
+# Seconds an idle kept-alive connection stays open. Longer than the 5 s after which httpx
+# (the router's client, and most Python clients) drops an idle connection itself: when both
+# wait 5 s, a client can reuse a connection at the instant the server closes it (ReadError).
+KEEP_ALIVE_TIMEOUT = 20
 MAX_HEADER_BYTES = 16 * 2**10  # request line and headers together (431)
 MAX_HEADERS = 100  # header fields (431)
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a body (400)
