@@ -64,6 +64,10 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
         self._token_bytes: dict[int, bytes] = {}
 
+    def __getstate__(self) -> dict:
+        """Pickled without its caches (the compiled template cannot be): for worker processes."""
+        return {**self.__dict__, "_template": None, "_token_bytes": {}}
+
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (`tokenizer.ggml.*` keys, values as python objects)."""

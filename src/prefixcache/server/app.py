@@ -112,6 +112,7 @@ def create_app(
         server.async_engine.start()
         yield
         server.async_engine.shutdown()
+        server.pool.close()
         if publisher is not None:
             publisher.close()
 
@@ -294,7 +295,7 @@ async def _serve(
     ticket: Ticket = request.scope["state"]["ticket"]
     if server.draining:
         raise ApiError(503, "the server is shutting down; retry on another replica")
-    ready = await server.pool.run(prepare, await request.body(), server.prepare)
+    ready = await server.pool.prepare(prepare, await request.body(), server.prepare)
     prompts, body, shape = ready.prompts, ready.body, ready.shape
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)

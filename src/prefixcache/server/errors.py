@@ -51,6 +51,10 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple:
+        """Pickled whole: a worker process raises it, the server answers it."""
+        return (ApiError, (self.status, self.message, self.param, self.headers))
+
     def response(self) -> JSONResponse:
         body = error_body(self.status, self.message, self.param)
         return JSONResponse(body, status_code=self.status, headers=self.headers)

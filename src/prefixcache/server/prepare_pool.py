@@ -1,39 +1,134 @@
-"""A bounded thread pool for request preparation, so the event loop never parses or tokenizes."""
+"""Request preparation off the event loop: threads for small bodies, processes for large ones.
+
+A thread that parses a 4 MiB body holds the GIL for tens of milliseconds, and while it is
+descheduled (it runs at a lower priority) the engine thread waits for the GIL at every
+torch op: a decode step slows down many times over. Bodies of ``PROCESS_BODY_BYTES`` or
+more are therefore prepared in worker processes with their own GIL; small bodies, whose
+parse is shorter than a process round trip, stay on threads.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
 
+if TYPE_CHECKING:
+    from prefixcache.server.prepare import PrepareContext, Prepared
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 NICENESS = 10  # preparation yields the cores to the engine's forward passes
+PROCESS_BODY_BYTES = 64 * 2**10  # bodies at least this large are prepared in a process
+PREPARE_PROCESSES = 2  # worker processes, started at the first large body (or by warm())
+PARENT_POLL_SECONDS = 1.0  # how often a worker checks that its server is still there
+
+Prepare = Callable[[bytes, "PrepareContext"], "Prepared"]
 
 
 class PreparePool:
-    """Runs at most ``size`` preparations at once in worker threads; the rest wait their turn.
+    """Runs at most ``size`` preparations at once; the rest wait their turn.
 
     A preparation that has started runs to its end even if its client leaves (it is bounded
-    by the body and prompt limits), so a cancelled waiter never leaves a thread behind. Its
-    thread runs at a lower priority (``NICENESS``): a flood of bodies to parse takes the
-    cores only while the engine leaves them idle.
+    by the body and prompt limits), so a cancelled waiter never leaves a worker behind.
+    Workers run at a lower priority (``NICENESS``): a flood of bodies to parse takes the
+    cores only while the engine leaves them idle. If a worker process dies, its request
+    is prepared on a thread instead and the next large body starts new workers.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(
+        self, size: int, processes: int = PREPARE_PROCESSES, process_bytes: int = PROCESS_BODY_BYTES
+    ) -> None:
         self._limiter = anyio.CapacityLimiter(size)
+        self._processes, self.process_bytes = processes, process_bytes
+        self._executor: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
+        """``function(*args)`` on a worker thread."""
         return await anyio.to_thread.run_sync(_yielding, function, *args, limiter=self._limiter)
+
+    async def prepare(self, function: Prepare, raw: bytes, ctx: PrepareContext) -> Prepared:
+        """``function(raw, ctx)``: in a worker process if ``raw`` is large, else on a thread."""
+        if len(raw) < self.process_bytes or self._processes < 1:
+            return await self.run(function, raw, ctx)
+        async with self._limiter:
+            future = self._submit(function, raw, ctx)
+            try:
+                if future is None:
+                    raise BrokenProcessPool("no worker process")
+                ready = await asyncio.wrap_future(future)
+            except BrokenProcessPool:
+                self._discard()
+                return await anyio.to_thread.run_sync(_yielding, function, raw, ctx)
+        ready.shape.tokenizer = ctx.tokenizer  # the worker sends the shape without it
+        return ready
+
+    def warm(self, ctx: PrepareContext) -> None:
+        """Start the worker processes now (in the background), not at the first large body."""
+        if self._processes:
+            pool = self._pool(ctx)
+            for _ in range(self._processes):
+                pool.submit(os.getpid)
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live worker processes."""
+        pool = self._executor
+        return [] if pool is None else list(pool._processes or {})
+
+    def close(self) -> None:
+        """Stop the worker processes (queued work is dropped: the server is going away)."""
+        self._discard()
 
     @property
     def busy(self) -> int:
         """Preparations running now."""
         return int(self._limiter.borrowed_tokens)
+
+    def _submit(self, function: Prepare, raw: bytes, ctx: PrepareContext) -> Future | None:
+        """The body handed to a worker process; None if none can take it (use a thread)."""
+        for _ in range(2):  # a pool that a dead worker broke is replaced, once
+            try:
+                return self._pool(ctx).submit(_in_worker, function, raw)
+            except BrokenProcessPool:
+                log.warning("a prepare worker process died; starting new ones")
+                self._discard()
+            except (RuntimeError, OSError) as error:  # e.g. an unguarded __main__ under spawn
+                log.warning("prepare worker processes cannot start (%s); using threads", error)
+                self._processes = 0
+                return None
+        return None
+
+    def _pool(self, ctx: PrepareContext) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ProcessPoolExecutor(
+                    self._processes,
+                    mp_context=multiprocessing.get_context("spawn"),  # never fork a threaded server
+                    initializer=_start_worker,
+                    initargs=(ctx, os.getpid()),
+                )
+            return self._executor
+
+    def _discard(self) -> None:
+        with self._lock:
+            pool, self._executor = self._executor, None
+        if pool is not None:
+            processes = list((pool._processes or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:  # a preparation is bounded, but nobody awaits it now
+                process.terminate()
 
 
 def _yielding(function: Callable[..., T], *args: object) -> T:
@@ -41,3 +136,31 @@ def _yielding(function: Callable[..., T], *args: object) -> T:
     with contextlib.suppress(AttributeError, OSError):  # no per-thread priority: run as is
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
     return function(*args)
+
+
+_worker_ctx: PrepareContext | None = None  # a worker process's copy, set by _start_worker
+
+
+def _start_worker(ctx: PrepareContext, server_pid: int) -> None:
+    """A worker process starts: lower its priority, keep its copy of the context, and
+    watch its server (a server that exits without closing its pool leaves no orphans)."""
+    global _worker_ctx
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, NICENESS)
+    _worker_ctx = ctx
+    threading.Thread(target=_exit_with, args=(server_pid,), daemon=True).start()
+
+
+def _exit_with(server_pid: int) -> None:
+    """Exit this worker process once its server process is gone (it was re-parented)."""
+    while os.getppid() == server_pid:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(0)
+
+
+def _in_worker(function: Prepare, raw: bytes) -> Prepared:
+    """``function(raw)`` in a worker process; the tokenizer stays here (the server has its own)."""
+    assert _worker_ctx is not None, "the worker's initializer did not run"
+    ready = function(raw, _worker_ctx)
+    ready.shape.tokenizer = None  # type: ignore[assignment]
+    return ready
