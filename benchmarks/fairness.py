@@ -101,6 +101,7 @@ def summarize(done: dict[str, list], engine: LLMEngine) -> dict:
         "a_ttft_p95": sorted(o.metrics.ttft for o in a)[int(0.95 * (len(a) - 1))],
         "b_throughput": None,
         "usage": {u.name: u for u in engine.manager.owner_usage()},
+        "deferrals": engine.scheduler.num_fair_deferrals,
     }
     if b:
         tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in b)
@@ -182,6 +183,7 @@ def main() -> None:
             f"{name} suffered {u.evictions_suffered}, caused {u.evictions_caused}"
             for name, u in usage.items()
         )
+        + f"; admissions deferred (a tenant waiting for its own blocks): {fair['deferrals']}"
     )
 
 

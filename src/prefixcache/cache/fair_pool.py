@@ -146,6 +146,24 @@ class FairPool:
         part.insert(blocks)
         self.num_cached_free += len(blocks)
 
+    def would_evict_protected(self, owner: int, count: int) -> bool:
+        """Whether taking ``count`` blocks for ``owner`` would evict free cached blocks of
+        another owner that holds no more than its share of the whole pool.
+
+        It replays the victims ``allocate`` would pick (``most_over_share``) on the counts.
+        """
+        held = self.held_counts()
+        evictions = count - (self.num_free_blocks - sum(held))  # beyond the empty blocks
+        shares, pool = self.owners.shares, len(self.blocks)
+        for _ in range(max(0, evictions)):
+            victim = 0 if self.parts is None else most_over_share(held, shares)
+            if victim < 0:
+                return False  # nothing left to evict: the allocation cannot happen anyway
+            if victim != owner and held[victim] <= shares[victim] * pool:
+                return True
+            held[victim] -= 1
+        return False
+
     # ---------------------------------------------------------------------- reports
     def held_counts(self) -> list[int]:
         """Free cached blocks per owner id (before the split, all owner 0's)."""

@@ -158,6 +158,23 @@ class KVCacheManager:
         num_hit_tokens = len(found.blocks) * self.block_size
         return num_hit_tokens if num_hit_tokens >= min_hit_tokens else 0
 
+    def would_crowd_out(
+        self,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        *,
+        min_hit_tokens: int = 0,
+        owner: str | None = None,
+    ) -> bool:
+        """Whether admitting this prompt for ``owner`` now would evict another owner's free
+        cached blocks while that owner is within its share of the pool (fair pools only)."""
+        owner_id = None if self.owners is None else self.owners.ids.get(owner)
+        if owner_id is None:
+            return False
+        hit = self.match(token_ids, cache_salt, min_hit_tokens=min_hit_tokens)
+        needed = cdiv(len(token_ids), self.block_size) - hit // self.block_size
+        return self.pool.would_evict_protected(owner_id, needed)
+
     def prompt_digests(
         self,
         token_ids: SequenceOf[int],

@@ -7,6 +7,10 @@ scheduled*: the model writes every layer's K/V for the whole batch before attent
 reads it (DESIGN.md rule 9), so a request admitted later in the same step can already
 reuse a prefix that an earlier one is computing in this very step. Sixty-four requests
 with one system prompt, sent at once, prefill it once.
+
+In a tenant-fair pool a branch whose admission would evict another tenant's cached blocks
+while that tenant is within its share of the pool waits, as long as its own tenant has
+branches running (so every tenant progresses); other tenants' branches go ahead of it.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class Scheduler:
         self.running: list[Branch] = []
         self._arrivals = 0
         self.num_preemptions = 0
+        self.num_fair_deferrals = 0  # admissions put off so as not to crowd out another owner
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -94,14 +99,20 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
         admitted = []
+        busy, deferred = self._busy_owners(), set()
         for branch in self._admission_order():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if self.loader is not None and not self.loader.ready(branch):
                 continue  # its prompt's blocks are on their way from the tier
+            owner = branch.request.owner
+            if owner in deferred or (owner in busy and self._crowds_out(branch)):
+                deferred.add(owner)  # it waits for its own blocks; others may go first
+                continue
             if not self._admit(branch):
                 break  # the pool is full: wait for blocks to free up
             admitted.append(branch)
+            busy.add(owner)
             chunk = self._next_chunk(branch, budget)
             chunks.append(chunk)
             budget -= chunk.num_tokens
@@ -139,6 +150,25 @@ class Scheduler:
         self.waiting.remove(branch)
         self.running.append(branch)
         return True
+
+    def _busy_owners(self) -> set[str | None]:
+        """Owners with a running branch, in a fair pool (else none: nobody is deferred)."""
+        if self.manager.owners is None:
+            return set()
+        return {branch.request.owner for branch in self.running}
+
+    def _crowds_out(self, branch: Branch) -> bool:
+        """Whether admitting ``branch`` would evict another owner's blocks within its share;
+        such a branch waits while its owner has others running (so it always progresses)."""
+        request = branch.request
+        crowds = self.manager.would_crowd_out(
+            branch.token_ids,
+            request.cache_salt,
+            min_hit_tokens=request.min_hit_tokens,
+            owner=request.owner,
+        )
+        self.num_fair_deferrals += crowds
+        return crowds
 
     def _admission_order(self) -> list[Branch]:
         """FCFS; or longest cached prefix first, except that a branch passed over
