@@ -77,6 +77,7 @@ def test_the_flood_scenario_through_the_server(tmp_path, fair):
         assert caused >= 8 * POOL
     else:
         assert "prefixcache_tenant_" not in metrics  # no per-tenant accounting when off
+        assert "prefixcache_fair_admission_deferrals_total 0.0" in metrics
     assert_pool_clean(engine)
 
 

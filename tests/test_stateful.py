@@ -87,6 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = base + tail or [0]
         free_before = self.manager.num_free_blocks
         expected_hit = self.manager.match(tokens, cache_salt=salt)
+        protected = self._protected_owners(tokens, salt, owner)
         try:
             seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt, owner=owner)
         except CapacityError:
@@ -95,9 +96,29 @@ class CacheMachine(RuleBasedStateMachine):
         if seq is None:
             assert self.manager.num_free_blocks == free_before
             return multiple()
+        for name, suffered in protected.items():  # the fair admission check held its word
+            assert self._usage()[name].evictions_suffered == suffered, name
         assert seq.num_cached_tokens == expected_hit
         assert seq.num_cached_tokens <= len(tokens) - 1
         return seq
+
+    def _usage(self) -> dict:
+        return {usage.name: usage for usage in self.manager.owner_usage()}
+
+    def _protected_owners(self, tokens, salt, owner) -> dict:
+        """Owners within their share whose evictions admitting ``tokens`` must not add to,
+        when the fair admission check says it would not crowd them out: name -> suffered."""
+        manager = self.manager
+        if manager.owners is None or owner not in manager.owners.ids:
+            return {}
+        if manager.would_crowd_out(tokens, salt, owner=owner):
+            return {}
+        share = dict(zip(manager.owners.names, manager.owners.shares, strict=True))
+        return {
+            name: usage.evictions_suffered
+            for name, usage in self._usage().items()
+            if name != owner and usage.cached_blocks <= share[name] * manager.num_blocks
+        }
 
     @rule(seq=sequences, data=st.data())
     def commit(self, seq, data):

@@ -146,13 +146,16 @@ class FairPool:
         part.insert(blocks)
         self.num_cached_free += len(blocks)
 
-    def would_evict_protected(self, owner: int, count: int) -> bool:
-        """Whether taking ``count`` blocks for ``owner`` would evict free cached blocks of
-        another owner that holds no more than its share of the whole pool.
+    def would_evict_protected(self, owner: int, count: int, hits: list[Block]) -> bool:
+        """Whether taking ``count`` blocks for ``owner`` (after touching ``hits``) would evict
+        free cached blocks of another owner that holds no more than its share of the pool.
 
         It replays the victims ``allocate`` would pick (``most_over_share``) on the counts.
         """
         held = self.held_counts()
+        for block in hits:  # touched first: they leave their owner's part, unevicted
+            if block.ref_cnt == 0:
+                held[0 if self.parts is None else self.holder[block.block_id]] -= 1
         evictions = count - (self.num_free_blocks - sum(held))  # beyond the empty blocks
         shares, pool = self.owners.shares, len(self.blocks)
         for _ in range(max(0, evictions)):

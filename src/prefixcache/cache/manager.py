@@ -150,13 +150,27 @@ class KVCacheManager:
         min_hit_tokens: int = 0,
     ) -> int:
         """Tokens ``admit`` would serve from cache right now; changes nothing."""
+        hits = self._matched_blocks(
+            token_ids, cache_salt, lora_name, mm_items, cap_last_token, min_hit_tokens
+        )
+        return len(hits) * self.block_size
+
+    def _matched_blocks(
+        self,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None,
+        lora_name: str | None,
+        mm_items: SequenceOf[MultiModalItem],
+        cap_last_token: bool,
+        min_hit_tokens: int,
+    ) -> list[Block]:
+        """The cached blocks ``admit`` would reuse right now; changes nothing."""
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         if not self.enable_caching:
-            return 0
+            return []
         max_blocks = (len(token_ids) - cap_last_token) // self.block_size
         found = self._walk(token_bytes, max_blocks, extras)
-        num_hit_tokens = len(found.blocks) * self.block_size
-        return num_hit_tokens if num_hit_tokens >= min_hit_tokens else 0
+        return found.blocks if len(found.blocks) * self.block_size >= min_hit_tokens else []
 
     def would_crowd_out(
         self,
@@ -171,9 +185,9 @@ class KVCacheManager:
         owner_id = None if self.owners is None else self.owners.ids.get(owner)
         if owner_id is None:
             return False
-        hit = self.match(token_ids, cache_salt, min_hit_tokens=min_hit_tokens)
-        needed = cdiv(len(token_ids), self.block_size) - hit // self.block_size
-        return self.pool.would_evict_protected(owner_id, needed)
+        hits = self._matched_blocks(token_ids, cache_salt, None, (), True, min_hit_tokens)
+        needed = cdiv(len(token_ids), self.block_size) - len(hits)
+        return self.pool.would_evict_protected(owner_id, needed, hits)
 
     def prompt_digests(
         self,

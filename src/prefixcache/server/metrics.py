@@ -59,6 +59,11 @@ class CacheCollector:
                 stats.duplicate_blocks,
             ),
             ("kv_copy_on_write", "Shared partial blocks copied before an append", stats.cow_copies),
+            (
+                "fair_admission_deferrals",
+                "Admissions put off so as not to evict another tenant's blocks within its share",
+                self.engine.scheduler.num_fair_deferrals,
+            ),
         ]
         for name, documentation, value in counters:
             yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
