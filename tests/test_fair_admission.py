@@ -30,6 +30,17 @@ def test_the_check_replays_the_pools_victims(make_manager):
     assert not manager.would_crowd_out(unique(24, 3), owner="B")  # B's own blocks now
 
 
+def test_a_hit_on_another_owners_block_is_not_an_empty_block(make_manager):
+    manager = make_manager(8, 4, owner_shares={})  # 4 blocks each
+    a_prompt = unique(12, 0)
+    manager.free(admit_computed(manager, "a", a_prompt + [1], owner="A"))  # 3 cached
+    manager.free(admit_computed(manager, "b", unique(4, 1) + [1], owner="B"))  # 1 cached
+    prompt = a_prompt[:4] + unique(16, 2) + [1]  # 6 blocks: A's first, 4 empty, 1 evicted
+    assert manager.would_crowd_out(prompt, owner="B")  # the victim would be A's
+    manager.free(admit_computed(manager, "b2", prompt, owner="B"))
+    assert {u.name: u.evictions_suffered for u in manager.owner_usage()}["A"] == 1
+
+
 def test_an_owner_over_its_share_is_not_protected(make_manager):
     manager = make_manager(16, 4, owner_shares={"A": 0.25, "B": 0.75})  # A: 4 blocks
     for i in range(3):  # A caches 12 blocks, over its share

@@ -153,10 +153,10 @@ class FairPool:
         It replays the victims ``allocate`` would pick (``most_over_share``) on the counts.
         """
         held = self.held_counts()
+        evictions = count - (self.num_free_blocks - sum(held))  # beyond the empty blocks
         for block in hits:  # touched first: they leave their owner's part, unevicted
             if block.ref_cnt == 0:
                 held[0 if self.parts is None else self.holder[block.block_id]] -= 1
-        evictions = count - (self.num_free_blocks - sum(held))  # beyond the empty blocks
         shares, pool = self.owners.shares, len(self.blocks)
         for _ in range(max(0, evictions)):
             victim = 0 if self.parts is None else most_over_share(held, shares)
