@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES
@@ -161,3 +161,15 @@ def block_digest(
     header = struct.pack("<I", len(token_bytes) // TOKEN_BYTES)
     tail = serialize_extras(extras) if extras else b"\x00\x00\x00\x00"
     return hash_fn(parent + header + token_bytes + tail)
+
+
+def chain_digests(
+    parent: bytes, blocks: Iterable[tuple[bytes, Extras]], hash_fn: Callable[[bytes], bytes]
+) -> list[bytes]:
+    """The digests of consecutive full blocks, each chained from the one before ``parent``
+    (the root, or the digest of the block before the first): ``blocks`` are (tokens, extras)."""
+    digests = []
+    for token_bytes, extras in blocks:
+        parent = block_digest(parent, token_bytes, extras, hash_fn)
+        digests.append(parent)
+    return digests

@@ -18,6 +18,7 @@ from prefixcache.cache.hashing import (
     Namespace,
     block_digest,
     block_extras,
+    chain_digests,
     encode_tokens,
     get_hash_function,
     namespace_digest,
@@ -204,13 +205,12 @@ class KVCacheManager:
         """
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         num_blocks = (len(token_ids) - cap_last_token) // self.block_size
-        digests, parent = [], self.root_digest
         step = self.block_size * TOKEN_BYTES
-        for index in range(num_blocks):
-            chunk = token_bytes[index * step : (index + 1) * step]
-            parent = block_digest(parent, chunk, extras.get(index, ()), self._hash_fn)
-            digests.append(parent)
-        return digests
+        blocks = (
+            (token_bytes[index * step : (index + 1) * step], extras.get(index, ()))
+            for index in range(num_blocks)
+        )
+        return chain_digests(self.root_digest, blocks, self._hash_fn)
 
     # -------------------------------------------------------------- lifecycle
     def admit(

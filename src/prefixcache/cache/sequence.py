@@ -8,7 +8,7 @@ from operator import attrgetter
 
 from prefixcache.cache.block_pool import Block
 from prefixcache.cache.common import TOKEN_BYTES
-from prefixcache.cache.hashing import Extras, MultiModalItem, block_digest, encode_tokens
+from prefixcache.cache.hashing import Extras, MultiModalItem, chain_digests, encode_tokens
 
 BLOCK_ID = attrgetter("block_id")
 
@@ -107,9 +107,9 @@ class Sequence:
     def full_block_digests(self) -> list[bytes]:
         """Stored digests, extended over full blocks not yet committed."""
         digests = [block.digest for block in self.blocks[: self.num_stored_blocks]]
-        for index in range(len(digests), len(self.token_ids) // self.block_size):
-            parent = digests[index - 1] if index else self.keys.root_digest
-            chunk = self.block_bytes(index)
-            extras = self.extras.get(index, ())
-            digests.append(block_digest(parent, chunk, extras, self.keys.hash_fn))
-        return digests
+        parent = digests[-1] if digests else self.keys.root_digest
+        blocks = (
+            (self.block_bytes(index), self.extras.get(index, ()))
+            for index in range(len(digests), len(self.token_ids) // self.block_size)
+        )
+        return digests + chain_digests(parent, blocks, self.keys.hash_fn)

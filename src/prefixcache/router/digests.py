@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prefixcache.cache.common import TOKEN_BYTES
-from prefixcache.cache.hashing import block_digest, block_extras, encode_tokens, get_hash_function
+from prefixcache.cache.hashing import (
+    block_extras,
+    chain_digests,
+    encode_tokens,
+    get_hash_function,
+)
 
 HASH_ALGO = "sha256"  # the replicas' KVCacheManager default; /health does not report it
 
@@ -18,14 +23,13 @@ def prompt_digests(
     ``root`` is the namespace digest the replicas report in ``/health``; the salt goes into
     block 0's typed extras, as on the replica.
     """
-    hash_fn = get_hash_function(HASH_ALGO)
     token_bytes = encode_tokens(token_ids)
     step = block_size * TOKEN_BYTES
-    digests, parent = [], root
-    for index in range((len(token_ids) - 1) // block_size):
-        extras = block_extras(index, block_size, cache_salt, None, ())
-        parent = block_digest(
-            parent, token_bytes[index * step : (index + 1) * step], extras, hash_fn
+    blocks = (
+        (
+            token_bytes[index * step : (index + 1) * step],
+            block_extras(index, block_size, cache_salt, None, ()),
         )
-        digests.append(parent)
-    return digests
+        for index in range((len(token_ids) - 1) // block_size)
+    )
+    return chain_digests(root, blocks, get_hash_function(HASH_ALGO))
