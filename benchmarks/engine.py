@@ -263,23 +263,29 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--document", action="store_true", help="only issue 12's cases")
     parser.add_argument("--kernels", action="store_true", help="only the int4/dense sweep")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="the exact fp32 path (serve --dequantize): the kernels before issue 12, to compare",
+    )
     args = parser.parse_args()
+    weights = {"quantized_weights": not args.dequantize}
     torch.set_num_threads(torch.get_num_threads())
     if args.kernels:
-        for weights in ("int4", "dequantized"):
-            llm = LLM(num_kv_blocks=16, quantized_weights=weights == "int4")
+        for name in ("int4", "dequantized"):
+            llm = LLM(num_kv_blocks=16, quantized_weights=name == "int4")
             mb = weight_bytes_per_token(llm.engine.model) / 1e6
-            print(f"weight bytes per decoded token, {weights}: {mb:.1f} MB")
+            print(f"weight bytes per decoded token, {name}: {mb:.1f} MB")
         print("\n".join(kernel_lines()))
         return
     if args.document:
-        llm = LLM()
+        llm = LLM(**weights)
         print("\n".join(document_lines(document_cases(llm, document_prompts(llm.tokenizer)))))
         return
     results = {}
     engines = {
-        "cache on": LLM(enable_prefix_caching=True),
-        "cache off": LLM(enable_prefix_caching=False),
+        "cache on": LLM(enable_prefix_caching=True, **weights),
+        "cache off": LLM(enable_prefix_caching=False, **weights),
     }
     workloads = {  # each workload runs on then off back to back, so load drift hits both
         "shared": lambda llm: run_engine(
@@ -302,7 +308,8 @@ def main() -> None:
     )
     shared = shared_prompt_workload(random.Random(1), args.requests)[: args.reference_requests]
     results[("shared", "transformers")] = run_transformers(reference, loaded.tokenizer, shared, 32)
-    print(f"engine benchmark, default model, {torch.get_num_threads()} threads")
+    kind = "dequantized fp32" if args.dequantize else "int4"
+    print(f"engine benchmark, default model ({kind} weights), {torch.get_num_threads()} threads")
     for workload in ("shared", "multi-turn", "no reuse"):
         print(f"{workload}:")
         for tag in ("cache on", "cache off", "transformers"):
