@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import time
 
 import httpx
 import openai
@@ -12,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.server.auth import Tenants
+from prefixcache.server.limits import Limits
 from server_fixtures import running_server, wait_idle, write_key_file
 
 SYSTEM = "Zebra railway assistant: answer carefully and briefly. " * 6
@@ -226,6 +229,34 @@ def test_overload_gets_429_not_an_unbounded_queue():
         statuses = sorted(r.status_code for r in asyncio.run(burst()))
         wait_idle(state)
     assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}
+    assert_pool_clean(engine)
+
+
+def test_bodies_still_arriving_count_against_max_pending():
+    """Without tenants too: at most --max-pending bodies are buffered at once."""
+    engine = tiny_engine()
+    limits = Limits(request_read_timeout=10.0)
+    with running_server(engine, Tenants(None), max_pending=2, limits=limits) as (url, state):
+        port = int(url.rsplit(":", 1)[1])
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for sock in slow:
+            sock.sendall(head)  # a body that is still arriving
+        deadline = time.monotonic() + 10
+        while state.in_flight.total < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        for sock in slow:
+            sock.close()
+        wait_idle(state)
+        served_after = httpx.post(url + "/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 429 and "--max-pending" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1"
+    assert served_after.status_code == 200
     assert_pool_clean(engine)
 
 

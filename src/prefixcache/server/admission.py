@@ -1,7 +1,9 @@
 """Admission: the global and per-tenant in-flight limits (HTTP 429 with Retry-After).
 
 A request holds a ``Ticket`` from the moment it is authenticated (one unit, before its body
-is read) until its response ends; once prepared it holds one unit per engine request.
+is read) until its response ends; once prepared it holds one unit per engine request. No
+more than ``max_pending`` units are held in all, so at most that many bodies are buffered at
+once (``max_pending`` x ``--max-body-bytes`` of memory), with or without tenants.
 Everything here runs on the event loop, so a check and its reservation cannot interleave.
 """
 
@@ -41,7 +43,16 @@ class InFlight:
         return sum(self._held.values())
 
     def enter(self, tenant: str) -> Ticket:
-        """One unit for a request that has just arrived, or 429."""
+        """One unit for a request that has just arrived, or 429: when ``max_pending`` units
+        are held in all (bodies being read or prepared count), or its tenant's share is."""
+        total = self.total
+        if total >= self.max_pending:
+            raise ApiError(
+                429,
+                f"server overloaded: {total} requests being read, prepared or served (limit "
+                f"{self.max_pending}, --max-pending); retry later",
+                headers=dict(RETRY_AFTER),
+            )
         ticket = Ticket(tenant)
         self._resize(ticket, 1)
         return ticket
