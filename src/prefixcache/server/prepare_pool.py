@@ -65,15 +65,19 @@ class PreparePool:
             return await self.run(function, raw, ctx)
         async with self._limiter:
             future = self._submit(function, raw, ctx)
-            try:
-                if future is None:
-                    raise BrokenProcessPool("no worker process")
-                ready = await asyncio.wrap_future(future)
-            except BrokenProcessPool:
-                self._discard()
+            ready = None if future is None else await self._result(future)
+            if ready is None:  # no worker took it, or its worker died: a thread (same token)
                 return await anyio.to_thread.run_sync(_yielding, function, raw, ctx)
         ready.shape.tokenizer = ctx.tokenizer  # the worker sends the shape without it
         return ready
+
+    async def _result(self, future: Future) -> Prepared | None:
+        """The worker's answer (its ApiError raised here); None if the worker died."""
+        try:
+            return await asyncio.wrap_future(future)
+        except BrokenProcessPool:
+            self._discard()  # the next large body starts new workers
+            return None
 
     def warm(self, ctx: PrepareContext) -> None:
         """Start the worker processes now (in the background), not at the first large body."""
