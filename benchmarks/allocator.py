@@ -6,10 +6,11 @@ per step), then is freed. The reference is what every peer pays before any alloc
 work: the prompt's token ids to bytes, then hashlib.sha256 chained over its full blocks.
 Both are timed in alternating rounds of the same run; the ratio of medians is printed.
 
-Owners (issue 11): the same cycle with an owner given but fairness off, through a fair pool
-with one owner, and through a fair pool with two owners (each with its own salt, so two
-prefixes are cached), interleaved per request with the plain run; each one's time over the
-plain run's is printed (median of rounds). One owner must cost nothing measurable.
+Variants (issues 11 and 20): the same cycle with an owner given but fairness off, through a
+fair pool with one owner, through a fair pool with two owners (each with its own salt, so
+two prefixes are cached), with an eviction policy object (ARC), and with KV events reported,
+interleaved per request with the plain run; each one's time over the plain run's is printed
+(median of rounds). One owner must cost nothing measurable.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def make_prompts(num_requests: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-OWNER_VARIANTS = [  # (name, manager options, admit options of request i)
+VARIANTS = [  # (name, manager options, admit options of request i)
     ("no owners", {}, lambda i: {}),
     ("owner given, fairness off", {}, lambda i: {"owner": "acme"}),
     ("fair pool, one owner", {"owner_shares": {}}, lambda i: {"owner": "acme"}),
@@ -48,7 +49,19 @@ OWNER_VARIANTS = [  # (name, manager options, admit options of request i)
         {"owner_shares": {}},
         lambda i: {"owner": "ab"[i % 2], "cache_salt": "ab"[i % 2]},
     ),
+    ("eviction policy arc", {"eviction_policy": "arc"}, lambda i: {}),
+    ("KV events reported", {"events": True}, lambda i: {}),
 ]
+
+
+def make_manager(options: dict) -> KVCacheManager:
+    """A manager for one variant; ``events`` sets a sink that keeps the events."""
+    options = dict(options)
+    events = options.pop("events", False)
+    manager = KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE, **options)
+    if events:
+        manager.set_event_sink([].append)
+    return manager
 
 
 def request_cycle(
@@ -80,10 +93,7 @@ def measure_round(prompts: list[list[int]]) -> tuple[float, float, int, list[flo
 
     Alternating per request keeps them all under the same machine conditions.
     """
-    managers = [
-        KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE, **options)
-        for _, options, _ in OWNER_VARIANTS
-    ]
+    managers = [make_manager(options) for _, options, _ in VARIANTS]
     clock = time.perf_counter
     variants = [0.0] * len(managers)
     reference = 0.0
@@ -91,7 +101,7 @@ def measure_round(prompts: list[list[int]]) -> tuple[float, float, int, list[flo
     for index, prompt in enumerate(prompts):
         for turn in range(len(managers)):
             which = (index + turn) % len(managers)  # rotate who goes first
-            admit = OWNER_VARIANTS[which][2](index)
+            admit = VARIANTS[which][2](index)
             start = clock()
             hits = request_cycle(managers[which], f"r{index}", prompt, **admit)
             variants[which] += clock() - start
@@ -125,8 +135,8 @@ def main() -> None:
     print(f"  prefixcache admit+commit+decode+free: {ours_us:8.1f} us/request")
     print(f"  bare sha256 chain over prompt blocks: {reference_us:8.1f} us/request")
     print(f"  ratio ours/sha256 chain (median of rounds): {ratio:.2f} (goal <= 1.0)")
-    print("  owners, time over the plain run (median of rounds; goal for one owner: 1.00):")
-    for number, (name, _, _) in enumerate(OWNER_VARIANTS[1:], start=1):
+    print("  variants, time over the plain run (median of rounds; goal for one owner: 1.00):")
+    for number, (name, _, _) in enumerate(VARIANTS[1:], start=1):
         owner_ratio = statistics.median(r[3][number] / r[3][0] for r in rounds)
         print(f"    {name:<28} {owner_ratio:.3f}")
 
