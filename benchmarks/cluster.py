@@ -28,7 +28,7 @@ import httpx
 from servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared/data/mooncake_synthetic_trace.jsonl"
+TRACE = ROOT / "data/mooncake_synthetic_trace.jsonl"
 WORD_LIST = (
     "harbor ferry river signal timetable platform ticket carriage station morning evening "
     "weather bridge tunnel market museum garden library window engine driver passenger "

@@ -31,7 +31,7 @@ from prefixcache.sim.traces import Trace, load_trace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allocator  # the allocator benchmark's workload and reference
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_synthetic_trace.jsonl"
 CAPACITIES = [1000, 2000, 5000, 10000, 15000, 20000]
 QUICK_CAPACITIES = [1000, 5000, 20000]
 GOAL_CAPACITY = 5000

@@ -17,7 +17,7 @@ from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.sim.replay import replay
 from prefixcache.sim.traces import load_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_synthetic_trace.jsonl"
 
 
 def measure(trace_path: Path, capacity: int, rounds: int) -> dict[tuple[str, str], list]:

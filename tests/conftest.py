@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 
 from prefixcache import KVCacheManager
 
-# The Mooncake trace from shared/, which CI lays beside the clone (../shared).
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
+# The Mooncake trace, kept in the repo (data/README.md says where it comes from).
+REAL_TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_synthetic_trace.jsonl"
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
