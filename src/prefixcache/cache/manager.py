@@ -370,7 +370,7 @@ class KVCacheManager:
         return copies
 
     def check_invariants(self) -> None:
-        """AssertionError naming the first violated invariant (DESIGN.md rules 5-8)."""
+        """AssertionError naming the first violated invariant (rules 5-8 of docs/design.md)."""
         integrity.check(self)
 
     # ---------------------------------------------------------------- helpers

@@ -4,7 +4,7 @@ Each step runs the running branches first (one decode token each, or the next ch
 of a prefill), then admits waiting branches while the token budget, the cap on running
 sequences and the pool allow. Tokens are committed to the cache *as they are
 scheduled*: the model writes every layer's K/V for the whole batch before attention
-reads it (DESIGN.md rule 9), so a request admitted later in the same step can already
+reads it (rule 9 of docs/design.md), so a request admitted later in the same step can already
 reuse a prefix that an earlier one is computing in this very step. Sixty-four requests
 with one system prompt, sent at once, prefill it once.
 
