@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -49,15 +51,20 @@ def _check(
     return md
 
 
-_REFERENCES: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+# HF model -> tokens -> logits. Keyed by the model itself, not its id(): once a module's
+# pair is freed its entry goes too, so a new model at the same address never reads it.
+_REFERENCES: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, ...], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _reference(pair: Pair, tokens: list[int]) -> torch.Tensor:
     """HF logits for every position of `tokens`, memoized (a sequence is checked often)."""
-    key = (id(pair.hf), tuple(tokens))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = hf_logits(pair, tokens)
-    return _REFERENCES[key]
+    memo = _REFERENCES.setdefault(pair.hf, {})
+    key = tuple(tokens)
+    if key not in memo:
+        memo[key] = hf_logits(pair, tokens)
+    return memo[key]
 
 
 def _groups(md: AttentionMetadata) -> list[tuple[tuple[int, ...], int]]:
@@ -302,3 +309,13 @@ def _force_cascade(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     monkeypatch.setattr(AttentionMetadata, "build", classmethod(spy))
     return taken
+
+
+def test_the_reference_memo_forgets_a_freed_model() -> None:
+    """A freed model's logits must go with it: a new model at its address gets its own."""
+    other = make_pair(tied=False)
+    _reference(other, [1, 2, 3])
+    before = len(_REFERENCES)
+    del other
+    gc.collect()
+    assert len(_REFERENCES) == before - 1
