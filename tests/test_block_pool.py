@@ -5,7 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixcache.cache.block_pool import Block, BlockPool, FreeBlockQueue
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.blocks import Block, FreeBlockQueue
+from prefixcache.cache.observer import KeyLogObserver
 from prefixcache.cache.stats import CacheStats
 
 OPS = st.lists(
@@ -44,7 +46,7 @@ def test_release_puts_cached_blocks_at_the_tail_in_order_and_empty_ones_first(ca
         if cached:
             pool.store(block, (0, bytes([block.block_id])), b"d")
     pool.release(reversed(taken))
-    order = [b.block_id for b in pool.free_queue]
+    order = [b.block_id for b in pool.free_blocks()]
     empties = [b.block_id for b in taken if b.key is None]
     cached_ids = [b.block_id for b in reversed(taken) if b.key is not None]
     assert sorted(order[: len(empties)]) == sorted(empties)
@@ -56,8 +58,25 @@ def test_release_puts_cached_blocks_at_the_tail_in_order_and_empty_ones_first(ca
 def test_touch_takes_free_hits_out_of_the_queue_and_counts_shared_ones():
     pool = BlockPool(4, CacheStats())
     a, b = pool.allocate(2)
+    pool.store(a, (0, b"a"), b"d")  # hits are cached blocks: free ones wait in the policy
     pool.release([a])
+    assert [x.block_id for x in pool.free_blocks()] == [2, 3, 0]
     pool.touch([a, b])
     assert (a.ref_cnt, b.ref_cnt) == (1, 2)
-    assert [x.block_id for x in pool.free_queue] == [2, 3]
+    assert [x.block_id for x in pool.free_blocks()] == [2, 3]
     assert pool.num_free_blocks == 2
+
+
+def test_listeners_are_explicit_lists_and_no_method_is_rebound(make_manager):
+    m = make_manager(8, 2)
+    m.set_observer(KeyLogObserver(lambda line: None, m.root_digest))
+    sink: list = []
+    m.set_event_sink(sink.append)
+    pool = m.pool
+    assert len(pool.on_index) == 1 and len(pool.on_evict) == 2 and len(pool.on_clear) == 1
+    shadowed = [name for name in vars(pool) if callable(getattr(type(pool), name, None))]
+    assert shadowed == []  # no hook replaced a method on the instance
+    m.set_event_sink(None)  # the removal reporter leaves; the key log stays
+    assert pool.on_index == [] and len(pool.on_evict) == 1 and pool.on_clear == []
+    m.free(m.admit("a", [1, 2, 3]))
+    m.check_invariants()

@@ -352,14 +352,14 @@ def test_an_orphan_and_its_recomputation_share_a_digest_and_count_twice(make_man
     m.set_event_sink(sub)
     m.free(admit_computed(m, "a", [1, 2, 3]))
     m.free(admit_computed(m, "b", [1, 2, 7, 8, 9], min_hit_tokens=100))  # [7, 8] under a's [1, 2]
-    orphan = next(block for block in m.pool.free_queue if block.key and block.key[0] != 0)
+    orphan = next(block for block in m.pool.free_blocks() if block.key and block.key[0] != 0)
     m.free(m.admit("c", list(range(50, 60))))  # evicts [1, 2] (older than its child), not [7, 8]
     assert orphan.key in m.pool.cached and m.match([1, 2, 7, 8, 9]) == 0
     d = admit_computed(m, "d", [1, 2, 7, 8, 9])  # recomputed: the same digests, new uids
     assert d.blocks[1].digest == orphan.digest and d.blocks[1] is not orphan
     first_digest = d.blocks[0].digest
     m.free(d)
-    empties = sum(1 for block in m.pool.free_queue if block.key is None)
+    empties = sum(1 for block in m.pool.free_blocks() if block.key is None)
     m.free(m.admit("e", list(range(60, 60 + 2 * empties + 2))))  # evicts only the orphan
     assert orphan.key is None and m.match([1, 2, 7, 8, 9]) == 4
     assert [e.block_hashes for e in sub.of(BlockRemoved)] == [[first_digest]]

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from conftest import admit_computed
 from prefixcache import KVCacheManager
 from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.fair_pool import FairBlockPool, FairPool
 from prefixcache.cache.owners import MAX_OWNERS, Owners, most_over_share
 from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.cache.stats import CacheStats
@@ -151,11 +150,15 @@ def test_a_fair_pool_with_one_owner_evicts_exactly_as_the_plain_pool(make_manage
     assert plain.stats.evictions == fair.stats.evictions > 0
 
 
-def test_without_shares_the_pools_are_the_article_s(make_manager):
-    assert type(make_manager(4).pool) is BlockPool
-    assert make_manager(4).owners is None
-    assert isinstance(make_manager(4, owner_shares={}).pool, FairBlockPool)
-    assert isinstance(make_manager(4, owner_shares={}, eviction_policy="arc").pool, FairPool)
+def test_without_shares_the_pool_has_no_owners_and_never_splits(make_manager):
+    plain = make_manager(4)
+    assert plain.owners is None and plain.pool.parts.owners is None
+    assert plain.owner_usage() == []
+    fair = make_manager(4, owner_shares={}, eviction_policy="arc")
+    assert fair.pool.parts.owners is fair.owners and fair.pool.parts.parts is None
+    fair.free(fair.admit("a", [1, 2], owner="A"))
+    fair.free(fair.admit("b", [3, 4], owner="B"))
+    assert [part.name for part in fair.pool.parts.parts] == ["arc", "arc"]
 
 
 # ------------------------------------------------------------- the victim rule
@@ -179,7 +182,7 @@ def test_the_lru_fair_pool_matches_a_model_of_the_rule(ops, listed):
     owners = Owners(listed)
     for name in ("0", "1", "2"):
         owners.id_of(name)
-    pool = FairBlockPool(10, CacheStats(), owners)
+    pool = BlockPool(10, CacheStats(), owners=owners)
     empties = list(range(10))  # the model: empty blocks (head first), and per-owner LRU
     queues: list[list[int]] = [[], [], []]
     held: list[tuple[int, list]] = []  # (owner, blocks) of live groups
@@ -211,7 +214,7 @@ def test_the_lru_fair_pool_matches_a_model_of_the_rule(ops, listed):
                 q[:] = [b for b in q if b not in free]
             held.append((owner, blocks))
         assert pool.num_free_blocks == len(empties) + sum(map(len, queues))
-        assert pool.held_counts() == [len(q) for q in queues]
+        assert pool.parts.held_counts() == [len(q) for q in queues]
 
 
 # ------------------------------------------------------------------ the owners

@@ -11,7 +11,7 @@ from prefixcache import CapacityError, KVCacheManager, MultiModalItem
 def pool_state(m: KVCacheManager) -> tuple:
     """Everything an admission must leave untouched when it fails."""
     return (
-        [b.block_id for b in m.pool.free_queue],
+        [b.block_id for b in m.pool.free_blocks()],
         [(b.ref_cnt, b.key, b.uid) for b in m.pool.blocks],
         dict(m.pool.cached),
     )

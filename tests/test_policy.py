@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from conftest import REAL_TRACE, admit_computed
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache import KVCacheManager
-from prefixcache.cache.block_pool import BlockPool, PolicyBlockPool
 from prefixcache.cache.hashing import ROOT_UID
 from prefixcache.cache.policies import (
     ALL_SIGNALS,
@@ -56,11 +55,11 @@ class Driver:
             self.fresh += length
 
 
-def test_lru_is_the_plain_pool_and_others_a_policy_pool(make_manager):
-    assert type(make_manager(4).pool) is BlockPool
+def test_every_policy_is_an_object_injected_into_the_one_pool(make_manager):
+    assert make_manager(4).pool.policy.name == "lru"
     for name in OTHER_POLICIES:
         pool = make_manager(4, eviction_policy=name).pool
-        assert isinstance(pool, PolicyBlockPool) and pool.policy.name == name
+        assert pool.policy.name == name and pool.parts.policies() == [pool.policy]
 
 
 def test_unknown_policy_is_a_value_error_listing_the_choices():
@@ -206,7 +205,7 @@ def test_no_policy_ever_leaves_an_orphan(policy, rng):
 
 
 def test_leaf_under_walks_down_to_the_oldest_free_leaf():
-    from prefixcache.cache.block_pool import Block
+    from prefixcache.cache.blocks import Block
 
     chain = ChainIndex()
     blocks = [Block(i) for i in range(4)]
@@ -225,7 +224,7 @@ def test_empty_blocks_are_reused_before_any_cached_one(make_manager, policy):
     seq = admit_computed(m, "a", list(range(10)))  # 2 full blocks + a partial one
     partial = seq.block_table[-1]
     m.free(seq)
-    assert len(m.pool.policy) == 2 and m.pool.free_queue.size == 4
+    assert len(m.pool.policy) == 2 and m.pool.empty_queue.size == 4
     fresh = m.admit("b", [500])
     assert fresh.block_table == [partial] and m.stats.evictions == 0
     assert m.match(list(range(10))) == 8
@@ -238,7 +237,7 @@ def test_reset_hands_every_block_back(make_manager, policy):
     m.free(admit_computed(m, "a", list(range(13))))
     assert len(m.pool.policy) == 3
     assert m.reset()
-    assert len(m.pool.policy) == 0 and m.pool.free_queue.size == 6
+    assert len(m.pool.policy) == 0 and m.pool.empty_queue.size == 6
     assert m.match(list(range(13))) == 0
     m.check_invariants()
 

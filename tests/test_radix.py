@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conftest import REAL_TRACE
 from prefixcache import CapacityError, KVCacheManager
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.hashing import ROOT_UID
 from prefixcache.cache.index import HashIndex, make_index
 from prefixcache.cache.policies import POLICY_NAMES

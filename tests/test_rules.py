@@ -79,10 +79,10 @@ def test_rule_5_touch_before_allocate_and_capacity_first(make_manager):
     c = admit_computed(m, "c", list(range(100, 108)))  # blocks 2, 3
     a_table = list(a.block_table)
     m.free(a)  # queue head: a's blocks, the very prefix the next request will hit
-    order_before = [b.block_id for b in m.pool.free_queue]
+    order_before = [b.block_id for b in m.pool.free_blocks()]
     stats_before = m.stats.as_dict()
     assert m.admit("too-big", prefix + [1, 2, 3, 4, 5]) is None  # needs 2 new, 0 spare
-    assert [b.block_id for b in m.pool.free_queue] == order_before
+    assert [b.block_id for b in m.pool.free_blocks()] == order_before
     assert {k: v for k, v in m.stats.as_dict().items() if k != "failed_admissions"} == {
         k: v for k, v in stats_before.items() if k != "failed_admissions"
     }
@@ -121,7 +121,7 @@ def test_rule_7_free_in_reverse_order_and_eviction_clears_the_hash(make_manager)
     seq = admit_computed(m, "a", list(range(8)))  # 4 full blocks, all stored
     table = list(seq.block_table)
     m.free(seq)
-    assert [b.block_id for b in m.pool.free_queue] == table[::-1]  # deepest first
+    assert [b.block_id for b in m.pool.free_blocks()] == table[::-1]  # deepest first
     deepest = m.pool.blocks[table[-1]]
     key = deepest.key
     assert key in m.pool.cached

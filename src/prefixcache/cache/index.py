@@ -15,7 +15,7 @@ from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES
 from prefixcache.cache.hashing import ROOT_UID
 
 if TYPE_CHECKING:
-    from prefixcache.cache.block_pool import Block
+    from prefixcache.cache.blocks import Block
 
 INDEX_NAMES = ("hash", "radix")
 DEFAULT_INDEX = "hash"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.blocks import check_queue
 from prefixcache.cache.common import cdiv, require
 
 if TYPE_CHECKING:
-    from prefixcache.cache.block_pool import FreeBlockQueue
-    from prefixcache.cache.fair_pool import FairPool
     from prefixcache.cache.manager import KVCacheManager
+    from prefixcache.cache.owner_parts import OwnerParts
     from prefixcache.cache.sequence import Sequence
 
 
@@ -26,25 +26,14 @@ def check(manager: KVCacheManager) -> None:
         _check_sequence(manager, seq)
 
 
-def _policies(pool: object) -> list:
-    """The eviction policies holding the pool's free cached blocks (none: the LRU pool)."""
-    parts = getattr(pool, "parts", None)  # a fair pool: one per owner
-    if parts is not None:
-        return parts
-    policy = getattr(pool, "policy", None)
-    return [] if policy is None else [policy]
-
-
 def _check_free_queue(manager: KVCacheManager) -> set[int]:
-    """The free blocks (queue, and the eviction policies if any) are consistent, once each."""
+    """The free blocks (the empty queue and the eviction policies) are consistent, once each."""
     pool = manager.pool
-    free_ids = check_queue(pool.free_queue, "free queue")
-    policies = _policies(pool)
-    if policies or getattr(pool, "parts", None) is not None:
-        for block_id in free_ids:
-            block = pool.blocks[block_id]
-            require(block.key is None, f"free: cached {block} in the empty queue")
-    for policy in policies:
+    free_ids = check_queue(pool.empty_queue, "empty queue")
+    for block_id in free_ids:
+        block = pool.blocks[block_id]
+        require(block.key is None, f"free: cached {block} in the empty queue")
+    for policy in pool.parts.policies():
         policy.check()
         for block in policy:
             require(block.block_id not in free_ids, f"free: {block} is held twice")
@@ -56,23 +45,6 @@ def _check_free_queue(manager: KVCacheManager) -> set[int]:
         f"free: {pool.num_free_blocks} counted, {len(free_ids)} held",
     )
     return free_ids
-
-
-def check_queue(queue: FreeBlockQueue, what: str) -> set[int]:
-    """A queue's links are consistent and it holds only refcount-0 blocks, once each."""
-    seen: set[int] = set()
-    previous = queue.head
-    block = queue.head.next_free
-    while block is not queue.tail:
-        require(block is not None, f"{what}: broken forward link")
-        require(block.prev_free is previous, f"{what}: bad back link at {block}")
-        require(block.block_id not in seen, f"{what}: {block} appears twice")
-        require(block.ref_cnt == 0, f"rule 6: {block} is in the {what} while in use")
-        seen.add(block.block_id)
-        previous, block = block, block.next_free
-    require(queue.tail.prev_free is previous, f"{what}: tail back link is stale")
-    require(len(seen) == queue.size, f"{what}: size {queue.size} != {len(seen)} linked")
-    return seen
 
 
 def _check_refcounts(manager: KVCacheManager, free_ids: set[int]) -> None:
@@ -141,10 +113,11 @@ def _check_owners(manager: KVCacheManager, free_ids: set[int]) -> None:
     pool, owners = manager.pool, manager.owners
     if owners is None:
         return
-    held = pool.held_counts()
+    parts = pool.parts
+    held = parts.held_counts()
     require(len(held) <= len(owners.names), f"owners: {len(held)} counts for {owners.names}")
-    if pool.parts is not None:
-        _check_owner_parts(pool, sum(held))
+    if parts.parts is not None:
+        _check_owner_parts(parts, sum(held))
     cached = sum(1 for block_id in free_ids if pool.blocks[block_id].key is not None)
     used, empty = manager.num_blocks - len(free_ids), len(free_ids) - cached
     require(
@@ -152,7 +125,7 @@ def _check_owners(manager: KVCacheManager, free_ids: set[int]) -> None:
         f"owners: {used} used + {empty} empty + {sum(held)} held by owners "
         f"!= {manager.num_blocks} blocks",
     )
-    usage = pool.usage()
+    usage = parts.usage()
     suffered = sum(owner.evictions_suffered for owner in usage)
     caused = sum(owner.evictions_caused for owner in usage)
     counted = manager.stats.evictions
@@ -163,21 +136,21 @@ def _check_owners(manager: KVCacheManager, free_ids: set[int]) -> None:
     require(sum(owners.shares) <= 1 + 1e-9, f"owners: shares sum to {sum(owners.shares)}")
 
 
-def _check_owner_parts(pool: FairPool, held: int) -> None:
+def _check_owner_parts(parts: OwnerParts, held: int) -> None:
     """After the split: every block in an owner's policy is charged to that owner."""
-    for owner, part in enumerate(pool.parts):
+    for owner, part in enumerate(parts.parts):
         for block in part:
-            charged = pool.holder[block.block_id]
+            charged = parts.holder[block.block_id]
             require(charged == owner, f"owners: owner {owner} holds {block}, charged to {charged}")
-    require(held == pool.num_cached_free, f"owners: {held} held, {pool.num_cached_free} counted")
+    require(held == parts.num_cached_free, f"owners: {held} held, {parts.num_cached_free} counted")
 
 
 def _check_event_counts(manager: KVCacheManager) -> None:
     """While events are reported, the per-digest counts are exactly the index's."""
-    counts = manager.pool.indexed_digests
-    if counts is not None:
+    removals = manager.removals
+    if removals is not None:
         actual = Counter(block.digest for block in manager.pool.cached.values())
-        require(counts == actual, "events: indexed digest counts disagree with the index")
+        require(removals.counts == actual, "events: indexed digest counts disagree with the index")
 
 
 def _check_sequence(manager: KVCacheManager, seq: Sequence) -> None:

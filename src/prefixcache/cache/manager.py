@@ -7,10 +7,10 @@ from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
 from prefixcache.cache import integrity
-from prefixcache.cache.block_pool import Block, BlockPool, PolicyBlockPool
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, cdiv
-from prefixcache.cache.events import MEDIUM_POOL, AllBlocksCleared, BlockStored
-from prefixcache.cache.fair_pool import FairPool, make_fair_pool
+from prefixcache.cache.events import MEDIUM_POOL, AllBlocksCleared, BlockStored, RemovalReporter
 from prefixcache.cache.hashing import (
     ROOT_UID,
     Extras,
@@ -23,7 +23,7 @@ from prefixcache.cache.hashing import (
     get_hash_function,
     namespace_digest,
 )
-from prefixcache.cache.index import DEFAULT_INDEX, PrefixIndex, make_index
+from prefixcache.cache.index import DEFAULT_INDEX, make_index
 from prefixcache.cache.owners import Owners, OwnerUsage
 from prefixcache.cache.path_memo import PathMemo
 from prefixcache.cache.policies import DEFAULT_POLICY, make_policy
@@ -48,11 +48,12 @@ class KVCacheManager:
     Capacity is checked before any side effect, and hits are touched before any
     allocation, so an admission that fails changes nothing and a request never evicts
     the prefix it has just found. With ``owner_shares`` (``{}``: equal shares) the pool is
-    tenant-fair: see ``FairBlockPool``; without it, owners are ignored and nothing changes.
+    tenant-fair: see ``OwnerParts``; without it, owners are ignored and nothing changes.
     """
 
     _event_sink: EventSink | None = None  # see set_event_sink
     _event_token_ids = False
+    removals: RemovalReporter | None = None  # while events are reported
 
     def __init__(
         self,
@@ -82,10 +83,14 @@ class KVCacheManager:
         self._hash_fn = get_hash_function(hash_algo)
         self.root_digest = namespace_digest(self.namespace, self._hash_fn)
         self.stats = CacheStats(min_free_blocks=num_blocks)
-        self.pool = _make_pool(
-            num_blocks, self.stats, eviction_policy, make_index(index, block_size), owner_shares
+        self.owners = None if owner_shares is None else Owners(owner_shares)  # None: not fair
+        self.pool = BlockPool(
+            num_blocks,
+            self.stats,
+            make_policy(eviction_policy, num_blocks),
+            make_index(index, block_size),
+            self.owners,
         )
-        self.owners: Owners | None = getattr(self.pool, "owners", None)  # None: not fair
         self.eviction_policy, self.index = eviction_policy, index
         self._walk = self.pool.cached.walk  # rule 4: extend hits through the index
         self.sequences: dict[str, Sequence] = {}
@@ -96,7 +101,7 @@ class KVCacheManager:
     def set_observer(self, observer: CacheObserver) -> None:
         """Report every admission, free and eviction to ``observer`` (debug logging)."""
         self.observer = observer
-        self.pool.observe_evictions(observer.evicted)
+        self.pool.on_evict.append(observer.evicted)
 
     def set_event_sink(self, sink: EventSink | None, *, token_ids: bool = False) -> None:
         """Report KV events to ``sink`` (None: stop); token ids, prompt text, only if asked.
@@ -106,7 +111,9 @@ class KVCacheManager:
         """
         self._event_sink = sink
         self._event_token_ids = token_ids
-        self.pool.report_removals(sink)
+        if self.removals is not None:
+            self.removals.detach()
+        self.removals = None if sink is None else RemovalReporter(self.pool, sink)
 
     def record_reused_blocks(self) -> None:
         """From now on, remember every block id handed out (see ``pop_reused_blocks``)."""
@@ -138,7 +145,7 @@ class KVCacheManager:
 
     def owner_usage(self) -> list[OwnerUsage]:
         """Per owner: share, free cached blocks, evictions suffered and caused ([]: not fair)."""
-        return self.pool.usage() if isinstance(self.pool, FairPool) else []
+        return self.pool.parts.usage()
 
     def match(
         self,
@@ -187,8 +194,8 @@ class KVCacheManager:
         if owner_id is None:
             return False
         hits = self._matched_blocks(token_ids, cache_salt, None, (), True, min_hit_tokens)
-        needed = cdiv(len(token_ids), self.block_size) - len(hits)
-        return self.pool.would_evict_protected(owner_id, needed, hits)
+        evictions = cdiv(len(token_ids), self.block_size) - len(hits) - self.pool.empty_queue.size
+        return self.pool.parts.would_evict_protected(owner_id, evictions, hits)
 
     def prompt_digests(
         self,
@@ -489,20 +496,3 @@ class KVCacheManager:
         self.stats.requests += 1
         self.stats.queries += num_tokens
         self.stats.hits += num_cached
-
-
-def _make_pool(
-    num_blocks: int,
-    stats: CacheStats,
-    policy_name: str,
-    index: PrefixIndex,
-    owner_shares: Mapping[str, float] | None,
-) -> BlockPool:
-    """The LRU pool (the free queue itself), a pool driven by another eviction policy, or,
-    with owner shares, a fair pool with one such policy per owner."""
-    if owner_shares is not None:
-        return make_fair_pool(num_blocks, stats, Owners(owner_shares), policy_name, index)
-    policy = make_policy(policy_name, num_blocks)
-    if policy is None:
-        return BlockPool(num_blocks, stats, index)
-    return PolicyBlockPool(num_blocks, stats, policy, index)

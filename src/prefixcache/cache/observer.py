@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Protocol
 
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import TOKEN_BYTES
 from prefixcache.cache.sequence import Sequence
 

@@ -1,10 +1,10 @@
 """Owners of cached blocks (tenants): names, cache shares, and who evicted whom.
 
-A fair pool (``FairBlockPool``) charges each free cached block to one owner: the owner of
-the request whose release dropped its refcount to 0 (the last user). When it must evict, it
-takes from the owner whose free cached blocks most exceed its share of all free cached
-blocks (``most_over_share``). Shares bind only under contention: an owner alone may fill the
-pool, and an idle owner's unused share is the others'.
+A fair pool (``OwnerParts`` in a ``BlockPool``) charges each free cached block to one
+owner: the owner of the request whose release dropped its refcount to 0 (the last user).
+When it must evict, it takes from the owner whose free cached blocks most exceed its share
+of all free cached blocks (``most_over_share``). Shares bind only under contention: an
+owner alone may fill the pool, and an idle owner's unused share is the others'.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 
 BLOCK_UID = attrgetter("uid")
 

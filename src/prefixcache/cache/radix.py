@@ -21,7 +21,7 @@ from prefixcache.cache.hashing import ROOT_UID
 from prefixcache.cache.index import PrefixMatch
 
 if TYPE_CHECKING:
-    from prefixcache.cache.block_pool import Block
+    from prefixcache.cache.blocks import Block
 
 
 NO_MISS: tuple = ((), None, 0)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from operator import attrgetter
 
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import TOKEN_BYTES
 from prefixcache.cache.hashing import Extras, MultiModalItem, chain_digests, encode_tokens
 

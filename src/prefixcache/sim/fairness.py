@@ -1,7 +1,7 @@
 """Tenant fairness of a replay: per-tenant hit rates with and without owner shares, Jain's index.
 
 The shared pool is the sweep's own replay (one eviction order for everyone); the fair pool
-replays the same trace with each request's tenant as its owner (``FairBlockPool``). Jain's
+replays the same trace with each request's tenant as its owner (``OwnerParts``). Jain's
 fairness index over the tenants' token hit rates is (sum x)^2 / (n * sum x^2): 1 when every
 tenant hits equally, 1/n when one tenant has all the hits.
 """

@@ -1,10 +1,9 @@
 """Pluggable eviction policies: which free block that still holds cached content goes first.
 
-LRU is not here: it is the pool's own free queue (``BlockPool``), the article's design and
-the default, kept exactly as it was (``LRUPolicy`` is that queue as a policy object, for a
-fair pool's one queue per owner). Any other policy runs in a ``PolicyBlockPool``, which
-reuses blocks holding nothing first and asks the policy for a victim only when it must
-evict. A policy sees four events:
+The pool (``BlockPool``) holds one policy object (one per owner in a tenant-fair pool,
+``OwnerParts``): LRU, the article's free queue and the default (``LRUPolicy``), or another.
+The pool reuses blocks holding nothing first and asks the policy for a victim only when it
+must evict. A policy sees four events:
 
 - ``touch(blocks)``: a request references these blocks (cache hits, or a fork), before
   their refcounts rise; the free ones (refcount 0) must leave the policy's structures;
@@ -50,9 +49,10 @@ from prefixcache.cache.policies.signals import ChainDepths, ChainIndex, Ghosts, 
 from prefixcache.cache.policies.split import ARCPolicy, LRUProtected, SLRUPolicy, SplitPolicy
 
 POLICY_NAMES = ("lru", "arc", "slru", "lfuda", "signals")
-DEFAULT_POLICY = "lru"  # the article's policy: the free queue itself
+DEFAULT_POLICY = "lru"  # the article's policy: the free queue
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
     "arc": ARCPolicy,
     "slru": SLRUPolicy,
     "lfuda": LFUDAPolicy,
@@ -62,20 +62,14 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 def check_policy_name(name: str) -> None:
     """ValueError, listing the choices, unless ``name`` is a policy."""
-    if name != "lru" and name not in POLICIES:
+    if name not in POLICIES:
         raise ValueError(f"unknown eviction_policy {name!r}; choose one of {list(POLICY_NAMES)}")
 
 
-def make_policy(name: str, num_blocks: int) -> EvictionPolicy | None:
-    """The policy called ``name`` (None for "lru": the pool's own free queue)."""
+def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
+    """A new, empty policy called ``name`` over ``num_blocks`` block ids."""
     check_policy_name(name)
-    return None if name == "lru" else POLICIES[name](num_blocks)
-
-
-def make_owner_policy(name: str, num_blocks: int) -> EvictionPolicy:
-    """One owner's policy in a fair pool: ``make_policy``, with LRU as an ``LRUPolicy``."""
-    policy = make_policy(name, num_blocks)
-    return LRUPolicy(num_blocks) if policy is None else policy  # not `or`: empty is falsy
+    return POLICIES[name](num_blocks)
 
 
 __all__ = [
@@ -99,6 +93,5 @@ __all__ = [
     "SignalsPolicy",
     "SplitPolicy",
     "check_policy_name",
-    "make_owner_policy",
     "make_policy",
 ]

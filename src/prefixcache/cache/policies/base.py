@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 
 ALL_SIGNALS = frozenset({"seen", "last", "depth"})  # every class feature (plus leaf-first)
 DEFAULT_SIGNALS = frozenset({"seen", "last"})  # depth splits classes without paying (README)
@@ -32,6 +32,10 @@ class EvictionPolicy:
 
     def clear(self) -> list[Block]:
         raise NotImplementedError
+
+    def fresh(self) -> EvictionPolicy:
+        """An empty policy of the same kind and size: another owner's part of a fair pool."""
+        return type(self)(self.num_blocks)
 
     def disown(self, block: Block) -> None:
         """A live block last seen here is released to another policy (another owner's in a

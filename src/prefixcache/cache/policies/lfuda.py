@@ -6,7 +6,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import require
 from prefixcache.cache.policies.base import NOWHERE
 from prefixcache.cache.policies.signals import Ghosts

@@ -1,19 +1,18 @@
-"""LRU as a policy object: the free queue itself, for pools that keep several of them."""
+"""LRU, the article's policy and the default: the free blocks in release order."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prefixcache.cache.block_pool import Block, FreeBlockQueue
-from prefixcache.cache.integrity import check_queue
+from prefixcache.cache.blocks import Block, FreeBlockQueue, check_queue
 from prefixcache.cache.policies.base import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
-    """Victims in release order, exactly as the plain pool's free queue.
+    """Victims in release order: the least recently freed cached block goes first.
 
-    The plain pool needs no policy object for LRU; a fair pool keeps one free queue per
-    owner (``FairBlockPool``), and this is that queue behind the policy interface.
+    The article's intrusive free queue, holding the pool's free cached blocks (a fair pool
+    keeps one per owner); blocks holding nothing wait in the pool's own empty queue.
     """
 
     name = "lru"
@@ -23,7 +22,7 @@ class LRUPolicy(EvictionPolicy):
         self.queue = FreeBlockQueue([])
 
     def touch(self, blocks: list[Block]) -> None:
-        """Unlink the free ones (inlined, as the pool's own ``touch``: the hot path)."""
+        """Unlink the free ones (inlined: this is the hot path of every hit)."""
         unlinked = 0
         for block in blocks:
             if block.ref_cnt == 0:

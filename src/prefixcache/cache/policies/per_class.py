@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prefixcache.cache.block_pool import Block, FreeBlockQueue
+from prefixcache.cache.blocks import Block, FreeBlockQueue, check_queue
 from prefixcache.cache.common import require
-from prefixcache.cache.integrity import check_queue
 from prefixcache.cache.policies.base import PROBATION
 from prefixcache.cache.policies.signal_policy import SignalPolicy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from prefixcache.cache.block_pool import Block
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.hashing import ROOT_UID
 
 
