@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from engine_fixtures import assert_pool_clean, tiny_engine
 from fuzz_fixtures import fuzz
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle, write_key_file
 
 ADMIN = {"authorization": "Bearer sk-alpha"}

@@ -142,7 +142,7 @@ def main() -> None:
 
     from engine import document_cases, document_lines, document_prompts
     from prefixcache import LLM
-    from prefixcache.engine.weights import default_model_path
+    from prefixcache.engine.model_files import default_model_path
 
     threads = torch.get_num_threads()
     llm = LLM()

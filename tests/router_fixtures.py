@@ -19,7 +19,7 @@ import uvicorn
 from safetensors.torch import save_file
 
 from engine_fixtures import random_state_dict, tiny_config
-from prefixcache.engine.weights import load_tokenizer
+from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.router.app import RouterConfig, RouterState, create_router_app
 from server_fixtures import free_port
 

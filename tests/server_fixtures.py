@@ -13,9 +13,9 @@ from pathlib import Path
 import uvicorn
 
 from prefixcache.engine.engine import LLMEngine
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.limits import Limits
 from prefixcache.server.app import Server, create_app, uvicorn_config
-from prefixcache.server.auth import Tenants
-from prefixcache.server.limits import Limits
 
 KEYS = {
     "alpha": {"keys": ["sk-alpha"], "admin": True},

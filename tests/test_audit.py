@@ -22,7 +22,7 @@ import pytest
 from engine_fixtures import default_model, random_state_dict
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.weights import LoadedModel
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from prefixcache.tools.audit import (
     Scenario,
     ScenarioResult,

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from engine_fixtures import assert_pool_clean, tiny_engine
+from prefixcache.protocol.auth import Tenants
 from prefixcache.server.app import create_app, graceful_server
-from prefixcache.server.auth import Tenants
 from server_fixtures import free_port, running_server, wait_idle
 
 LONG = b'{"model": "tiny", "prompt": "go on", "max_tokens": 400, "ignore_eos": true}'

@@ -21,7 +21,7 @@ SECRET = "Quartz falcon ledger: the vault opens on Thursdays at noon."
 def shared_tokenizer(monkeypatch):
     """The session's tokenizer instead of re-reading the GGUF for every call."""
     monkeypatch.setattr(
-        "prefixcache.engine.weights.load_tokenizer", lambda _=None: default_model().tokenizer
+        "prefixcache.engine.model_files.load_tokenizer", lambda _=None: default_model().tokenizer
     )
 
 

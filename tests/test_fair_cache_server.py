@@ -11,7 +11,7 @@ import pytest
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.cli import build_parser
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from prefixcache.server.cli import describe_fair_cache, fair_shares
 from server_fixtures import running_server, wait_idle
 

@@ -7,8 +7,8 @@ import time
 
 from engine_fixtures import assert_pool_clean, tiny_engine
 from fuzz_fixtures import fuzz
-from prefixcache.server.auth import Tenants
-from prefixcache.server.limits import Limits
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.limits import Limits
 from server_fixtures import running_server, wait_idle, write_key_file
 
 ADMIN = {"authorization": "Bearer sk-alpha"}

@@ -11,7 +11,7 @@ import torch
 from conftest import admit_computed
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

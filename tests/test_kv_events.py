@@ -12,14 +12,9 @@ import pytest
 import zmq
 
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from prefixcache.server.event_subscriber import EpochChange, KVEventSubscriber, Received
-from prefixcache.server.events import (
-    ALLOW_REMOTE_FLAG,
-    KVEventPublisher,
-    decode_batch,
-    encode_batch,
-    sink_for,
-)
+from prefixcache.protocol.event_subscriber import EpochChange, KVEventSubscriber, Received
+from prefixcache.protocol.kv_events import decode_batch, encode_batch
+from prefixcache.server.events import ALLOW_REMOTE_FLAG, KVEventPublisher, sink_for
 
 LOCAL = "tcp://127.0.0.1:*"  # bind any free port; the publisher exposes the one it got
 TIMEOUT_S = 5.0

@@ -12,7 +12,7 @@ import torch
 
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
 
 PROMPT = list(range(300, 340))  # 10 blocks of 4

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import assert_pool_clean, tiny_engine
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from engine_fixtures import assert_pool_clean, default_model, tiny_engine
-from prefixcache.server.auth import Tenants
-from prefixcache.server.errors import ApiError
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.errors import ApiError
 from prefixcache.server.prepare import PrepareContext
 from prefixcache.server.prepare_pool import NICENESS, PROCESS_BODY_BYTES, PreparePool
 from server_fixtures import running_server, wait_idle
@@ -116,7 +116,7 @@ def test_a_worker_dying_mid_preparation_hands_the_body_to_a_thread():
 
 ABANDONING_SERVER = """
 import os, time
-from prefixcache.engine.weights import load_tokenizer
+from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.server.prepare import PrepareContext
 from prefixcache.server.prepare_pool import PreparePool
 if __name__ == "__main__":

@@ -16,16 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.engine.weights import load_tokenizer
+from prefixcache.protocol.auth import Tenants, load_or_create_secret
+from prefixcache.protocol.errors import ApiError
 from prefixcache.router.app import RouterConfig
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.forward import REPLICA_HEADER
 from prefixcache.router.index import Overlap
 from prefixcache.router.policy import make_policy
 from prefixcache.router.prompts import routing_view
-from prefixcache.server.app import ApiError
-from prefixcache.server.auth import Tenants, load_or_create_secret
 from router_fixtures import (
     ReplicaProcess,
     metric_total,

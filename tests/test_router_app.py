@@ -13,11 +13,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.errors import ERROR_TYPES
 from prefixcache.router.app import RouterConfig, RouterState
 from prefixcache.router.forward import REPLICA_HEADER
 from prefixcache.router.policy import make_policy
-from prefixcache.server.app import ERROR_TYPES
-from prefixcache.server.auth import Tenants
 from router_fixtures import metric_total, running_router, serving
 from server_fixtures import free_port, write_key_file
 

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import assert_pool_clean, tiny_engine
-from prefixcache.server.auth import Tenants
-from prefixcache.server.limits import Limits
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.limits import Limits
 from server_fixtures import running_server, wait_idle, write_key_file
 
 SYSTEM = "Zebra railway assistant: answer carefully and briefly. " * 6

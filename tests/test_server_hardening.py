@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from engine_fixtures import assert_pool_clean, tiny_engine
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.limits import DEFAULT_MAX_BODY_BYTES, Limits
 from prefixcache.server.cli import serve_metrics
-from prefixcache.server.limits import DEFAULT_MAX_BODY_BYTES, Limits
 from raw_http import closed_by_server, connect, exchange, head, read_reply
 from server_fixtures import free_port, running_server, wait_idle, write_key_file
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 
 from engine_fixtures import assert_pool_clean, tiny_engine
-from prefixcache.server.auth import Tenants
-from prefixcache.server.limits import Limits
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.limits import Limits
 from server_fixtures import running_server, wait_idle, write_key_file
 
 REQUESTS = int(os.environ.get("PREFIXCACHE_SOAK_REQUESTS", "2000"))

@@ -11,7 +11,7 @@ import pytest
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.stop_holdback import releasable_length, visible_tokens
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
 
 

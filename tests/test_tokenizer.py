@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import pre_tokenizers
 
+from prefixcache.engine.model_files import default_model_path, load_tokenizer
 from prefixcache.engine.tokenizer import IncrementalDecoder, Tokenizer
-from prefixcache.engine.weights import default_model_path, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -7,7 +7,7 @@ import json
 import httpx
 
 from engine_fixtures import tiny_engine
-from prefixcache.server.auth import Tenants
+from prefixcache.protocol.auth import Tenants
 from prefixcache.server.trace_out import TraceWriter
 from prefixcache.sim.replay import replay
 from prefixcache.sim.traces import load_trace

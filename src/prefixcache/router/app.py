@@ -19,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol.auth import AuthError, Tenant, Tenants
+from prefixcache.protocol.errors import ApiError, answer_api_error, internal_error
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.feed import FeedStats
 from prefixcache.router.forward import Forwarder, RouteLog
@@ -33,8 +35,6 @@ from prefixcache.router.replicas import (
     Fleet,
 )
 from prefixcache.router.routing import DEFAULT_EXPECT_GRACE_S, Router
-from prefixcache.server.app import ApiError, internal_error
-from prefixcache.server.auth import AuthError, Tenant, Tenants
 
 log = logging.getLogger("prefixcache.router")
 CONNECT_TIMEOUT_S = 5.0
@@ -152,7 +152,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="prefixcache router", lifespan=lifespan)
     app.state.router = state
-    app.add_exception_handler(ApiError, lambda _, error: error.response())
+    app.add_exception_handler(ApiError, answer_api_error)
     app.add_exception_handler(Exception, internal_error)
     _add_routes(app, state)
     return app

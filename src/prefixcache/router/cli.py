@@ -7,6 +7,7 @@ import logging
 import sys
 
 from prefixcache.argtypes import positive_int
+from prefixcache.protocol.limits import KEEP_ALIVE_TIMEOUT
 from prefixcache.router.policy import (
     DEFAULT_BALANCE_ABS,
     DEFAULT_BALANCE_REL,
@@ -17,7 +18,6 @@ from prefixcache.router.policy import (
     POLICY_NAMES,
 )
 from prefixcache.router.replicas import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
-from prefixcache.server.limits import KEEP_ALIVE_TIMEOUT
 
 DEFAULT_PORT = 8080
 
@@ -81,9 +81,9 @@ def _add_tuning(route: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily: FastAPI, httpx)
     """Tenants, tokenizer and policy from the flags; ValueError/OSError for bad files."""
+    from prefixcache.protocol.auth import Tenants, load_or_create_secret
     from prefixcache.router.app import RouterConfig
     from prefixcache.router.policy import CacheAwareWeights, make_policy
-    from prefixcache.server.auth import Tenants, load_or_create_secret
 
     secret = load_or_create_secret(args.tenant_secret_file) if args.tenant_secret_file else None
     tenants = (
@@ -95,7 +95,7 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
     policy = make_policy(args.policy, weights, args.prefix_blocks)
     tokenizer = None
     if policy.uses_digests:
-        from prefixcache.engine.weights import load_tokenizer
+        from prefixcache.engine.model_files import load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
     return RouterConfig(

@@ -17,14 +17,14 @@ from typing import NamedTuple
 import zmq
 
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from prefixcache.router.index import GlobalIndex
-from prefixcache.server.event_subscriber import (
+from prefixcache.protocol.event_subscriber import (
     BatchesLost,
     EpochChange,
     KVEventSubscriber,
     stream_of,
 )
-from prefixcache.server.events import decode_batch, request_replay
+from prefixcache.protocol.kv_events import decode_batch, request_replay
+from prefixcache.router.index import GlobalIndex
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def replay_from(
 ) -> list[tuple[int, bytes]]:
     """Every batch the replay socket still buffers with ``seq >= start``, in order.
 
-    A DEALER speaking the replay exchange of ``prefixcache.server.events``; on a timeout it
+    A DEALER speaking the replay exchange of ``prefixcache.protocol.kv_events``; on a timeout it
     returns what arrived (the live feed's gap replay catches the rest up).
     """
     dealer = zmq.Context.instance().socket(zmq.DEALER)

@@ -22,10 +22,10 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from prefixcache.protocol.errors import ApiError
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.replicas import Fleet, describe
 from prefixcache.router.routing import Router, Ticket
-from prefixcache.server.app import ApiError
 
 log = logging.getLogger("prefixcache.router")
 

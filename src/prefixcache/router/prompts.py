@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.server.app import ApiError
-from prefixcache.server.schemas import ChatMessage
+from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.schemas import ChatMessage
 
 
 class RoutingView(NamedTuple):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from prefixcache.server.errors import ApiError
-from prefixcache.server.limits import RETRY_AFTER_SECONDS
+from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.limits import RETRY_AFTER_SECONDS
 
 RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_SECONDS)}
 

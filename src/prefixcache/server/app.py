@@ -26,35 +26,34 @@ from prefixcache.engine.async_engine import AddRequest, AsyncLLMEngine, RequestS
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.server import openai_format, openapi
-from prefixcache.server.admission import InFlight, Ticket
-from prefixcache.server.auth import Tenant, Tenants
-from prefixcache.server.errors import ERROR_TYPES, ApiError
-from prefixcache.server.events import KVEventPublisher
-from prefixcache.server.fan_in import FanIn
-from prefixcache.server.guard import RequestGuard, RoutePolicy
-from prefixcache.server.limits import (
+from prefixcache.protocol.auth import Tenant, Tenants
+from prefixcache.protocol.errors import ApiError, answer_api_error, internal_error
+from prefixcache.protocol.limits import (
     DEFAULT_MAX_PENDING,
     KEEP_ALIVE_TIMEOUT,
     MAX_HEADER_BYTES,
     PREPARE_THREADS,
     Limits,
-    max_prompt_chars,
 )
+from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.server import openai_format, openapi
+from prefixcache.server.admission import InFlight, Ticket
+from prefixcache.server.events import KVEventPublisher
+from prefixcache.server.fan_in import FanIn
+from prefixcache.server.guard import RequestGuard, RoutePolicy
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.openapi import json_body, responses
 from prefixcache.server.prepare import (
     PrepareContext,
     Prepared,
+    max_prompt_chars,
     no_such_model,
     prepare_chat,
     prepare_completion,
 )
 from prefixcache.server.prepare_pool import PreparePool
-from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest
 from prefixcache.server.slow_client import guarded_protocol
 
-__all__ = ["ERROR_TYPES", "ApiError", "create_app", "internal_error"]
 log = logging.getLogger("prefixcache.server")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ROUTES = RoutePolicy(
@@ -118,7 +117,7 @@ def create_app(
 
     app = FastAPI(title="prefixcache", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
-    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(ApiError, answer_api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, internal_error)
     _add_routes(app, server)
@@ -163,11 +162,6 @@ def replica_identity(engine: LLMEngine, publisher: KVEventPublisher | None) -> d
     }
 
 
-async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-    """An async handler: no worker thread, so it also answers during shutdown."""
-    return error.response()
-
-
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     """Routing errors (unknown path 404, wrong method 405) as OpenAI error objects."""
     path = request.scope["path"]  # as routed; request.url would be rebuilt from Host
@@ -180,21 +174,6 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     response = ApiError(error.status_code, message).response()
     response.headers.update(error.headers or {})
     return response
-
-
-def internal_error(request: Request, error: Exception) -> JSONResponse:
-    """A bug of ours, not the client's input: log the type and path, never the body."""
-    path = request.scope.get("path")
-    log.error("internal error on %s: %s", path, type(error).__name__, exc_info=error)
-    body = {
-        "error": {
-            "message": "internal server error",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
-    return JSONResponse(body, status_code=500)
 
 
 def _add_routes(app: FastAPI, server: Server) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 from starlette.types import Message, Receive, Scope
 
-from prefixcache.server.errors import ApiError
+from prefixcache.protocol.errors import ApiError
 
 
 def declared_length(scope: Scope) -> int | None:

@@ -17,7 +17,7 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
-from prefixcache.server.limits import (
+from prefixcache.protocol.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_PENDING,
     DEFAULT_REQUEST_READ_TIMEOUT,
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from prefixcache.engine.engine import LLMEngine
-    from prefixcache.server.auth import Tenants
+    from prefixcache.protocol.auth import Tenants
     from prefixcache.server.events import KVEventPublisher
     from prefixcache.server.metrics import ServerMetrics
     from prefixcache.server.trace_out import TraceWriter
@@ -200,8 +200,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build everything, say how it is set up, and serve until interrupted."""
     from prefixcache.engine.engine import EngineConfig, LLMEngine
     from prefixcache.engine.weights import load_model
+    from prefixcache.protocol.auth import Tenants
     from prefixcache.server.app import create_app, graceful_server, started_banner
-    from prefixcache.server.auth import Tenants
     from prefixcache.tier import redact
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -317,7 +317,7 @@ def describe_fair_cache(args: argparse.Namespace, tenants: Tenants) -> str:
 
 def tenant_secret(args: argparse.Namespace) -> bytes | None:
     """The tenant secret: from its file, or kept beside a disk tier; None: per process."""
-    from prefixcache.server.auth import load_or_create_secret
+    from prefixcache.protocol.auth import load_or_create_secret
 
     if args.tenant_secret_file:
         return load_or_create_secret(args.tenant_secret_file)

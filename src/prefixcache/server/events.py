@@ -1,20 +1,6 @@
-"""KV events on the wire: vLLM's ZMQ format, a PUB stream plus a ROUTER replay socket.
-
-Each batch is one PUB message of three frames, ``[topic, seq, payload]``: ``seq`` is an
-8-byte big-endian counter from 0, ``payload`` the msgpack array ``[ts, events, dp_rank]``
-with each event an array tagged by its class name, field order as in vLLM::
-
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-     medium, lora_name]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
-
-vLLM encodes these with msgspec ``array_like=True`` structs, where ``omit_defaults`` has no
-effect: every field is written, ``None`` as nil, and a decoder ignores extra trailing
-elements. A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and
-gets every buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end
-marker ``[b"", -1 (signed), b""]``. Topics are ``f"{prefix}.{epoch:016x}"``, a random
-epoch per boot, so a consumer can tell a restarted replica from a gap.
+"""The server's KV-event publisher: batches the cache's events on a thread, publishes them on
+a ZMQ PUB socket and answers replays on a ROUTER socket, in the wire format of
+``protocol/kv_events.py`` (vLLM's). Binds only to loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -27,129 +13,22 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
 
-import msgpack
 import zmq
 
-from prefixcache.cache.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventSink,
-    KVEvent,
-)
+from prefixcache.cache.events import BlockStored, EventSink, KVEvent
+from prefixcache.protocol.kv_events import END_SEQ, encode_batch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 ALLOW_REMOTE_FLAG = "--kv-events-allow-remote"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (vLLM's default)
 CLOSE_LINGER_MS = 200  # how long close() lets queued frames drain to subscribers
 MAX_REPLAYS_PER_TICK = 8  # replay requests served between two flushes of the queue
 
-# Field names in wire order, after the tag (vLLM's struct declaration order).
-WIRE_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
-_RECORDS: dict[str, type[KVEvent]] = {
-    "BlockStored": BlockStored,
-    "BlockRemoved": BlockRemoved,
-    "AllBlocksCleared": AllBlocksCleared,
-}
-
-
-# --- codec -------------------------------------------------------------------------
-
-
-def _event_to_wire(event: KVEvent) -> list[Any]:
-    """One event as vLLM's tagged array (``lora_name`` is always nil here)."""
-    if isinstance(event, BlockStored):
-        return [
-            "BlockStored",
-            list(event.block_hashes),
-            event.parent_block_hash,
-            list(event.token_ids),
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            None,
-        ]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), event.medium]
-    if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
-    raise TypeError(f"not a KV event: {type(event).__name__}")
-
-
-def encode_batch(ts: float, events: Sequence[KVEvent], dp_rank: int | None = None) -> bytes:
-    """The msgpack payload of one batch: ``[ts, [tagged events...], dp_rank]``."""
-    body = [float(ts), [_event_to_wire(e) for e in events], dp_rank]
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def _event_from_wire(item: Any) -> KVEvent | None:
-    """A tagged array (or a newer vLLM's tagged map) as a record; None for unknown tags."""
-    if isinstance(item, dict):
-        tag = item.get("type")
-        values = {k: item[k] for k in WIRE_FIELDS.get(tag, ()) if k in item}
-    else:
-        tag = item[0] if item else None
-        values = dict(zip(WIRE_FIELDS.get(tag, ()), item[1:], strict=False))
-    record = _RECORDS.get(tag) if isinstance(tag, str) else None
-    if record is None:
-        return None  # an event kind we do not track (vLLM has transfer events too)
-    values.pop("lora_name", None)  # not in our records; the LoRA is in the digest
-    return record(**values)
-
-
-def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
-    """Inverse of ``encode_batch``; also reads a batch or events encoded as maps."""
-    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    if isinstance(batch, dict):
-        ts, items = batch["ts"], batch["events"]
-    else:
-        ts, items = batch[0], batch[1]
-    events = [e for e in map(_event_from_wire, items) if e is not None]
-    return float(ts), events
-
 
 # --- endpoints ---------------------------------------------------------------------
-
-
-def request_replay(
-    dealer: zmq.Socket, start: int, timeout_s: float
-) -> tuple[list[tuple[int, bytes]], bool]:
-    """Ask a replay socket (through ``dealer``) for every batch with ``seq >= start``.
-
-    Returns the ``(seq, payload)`` batches that arrived, in order, and whether the end
-    marker came before ``timeout_s`` (the client side of ``_serve_replay``, vLLM's exchange).
-    """
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
-    got: list[tuple[int, bytes]] = []
-    deadline = time.monotonic() + timeout_s
-    while (remaining := deadline - time.monotonic()) > 0:
-        if not dealer.poll(max(1, round(remaining * 1000))):
-            break
-        frames = dealer.recv_multipart()
-        if len(frames) < 2:
-            continue
-        if frames[-2] == END_SEQ:
-            return got, True
-        got.append((int.from_bytes(frames[-2], "big", signed=True), frames[-1]))
-    return got, False
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from prefixcache.protocol.auth import AuthError, Tenant, Tenants
+from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.limits import MAX_HEADER_BYTES, MAX_HEADERS, Limits
 from prefixcache.server.admission import InFlight, Ticket
-from prefixcache.server.auth import AuthError, Tenant, Tenants
 from prefixcache.server.body_limit import read_body, replay
-from prefixcache.server.errors import ApiError
-from prefixcache.server.limits import MAX_HEADER_BYTES, MAX_HEADERS, Limits
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from prefixcache.server.schemas import NullMeansDefault
+from prefixcache.protocol.schemas import NullMeansDefault
 
 
 class ErrorObject(BaseModel):

@@ -14,10 +14,10 @@ from pydantic import BaseModel, ValidationError
 
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol.errors import ApiError, field_path
+from prefixcache.protocol.json_body import load_json
+from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from prefixcache.server import openai_format
-from prefixcache.server.errors import ApiError, field_path
-from prefixcache.server.json_body import load_json
-from prefixcache.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 Prompts = list[list[int]]  # one token-id prompt per engine request
 
@@ -31,6 +31,20 @@ class PrepareContext:
     context: int  # the model's context in tokens
     vocab_size: int
     max_prompt_chars: int
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """Characters of the longest vocabulary entry: no token covers more text than that."""
+    return max(len(token) for token in tokenizer.backend.get_vocab(with_added_tokens=True))
+
+
+def max_prompt_chars(tokenizer: Tokenizer, context: int) -> int:
+    """Characters above which a prompt cannot fit ``context`` tokens, checked before tokenizing.
+
+    Each token covers at most ``longest_token_chars`` characters (a byte-level entry is at
+    least as long as the text it stands for), so this never refuses a prompt that fits.
+    """
+    return context * longest_token_chars(tokenizer)
 
 
 @dataclass(slots=True)

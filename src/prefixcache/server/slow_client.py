@@ -14,8 +14,8 @@ import http
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixcache.server.errors import error_bytes
-from prefixcache.server.limits import MAX_HEADER_BYTES
+from prefixcache.protocol.errors import error_bytes
+from prefixcache.protocol.limits import MAX_HEADER_BYTES
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -75,7 +75,7 @@ def run_explain(args: argparse.Namespace) -> int:
         specs = [load_request_file(args.a), load_request_file(args.b)]
         tokenizer = None
         if args.show_text or any(spec.is_text for spec in specs):
-            from prefixcache.engine.weights import load_tokenizer
+            from prefixcache.engine.model_files import load_tokenizer
 
             tokenizer = load_tokenizer(args.model)
         a, b = (build_side(n, spec, tokenizer) for n, spec in zip("AB", specs, strict=True))

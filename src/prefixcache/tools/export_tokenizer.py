@@ -22,7 +22,7 @@ def add_export_tokenizer_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_export_tokenizer(args: argparse.Namespace) -> int:
     """Write the folder; say what was written."""
-    from prefixcache.engine.weights import ModelFileError, load_tokenizer
+    from prefixcache.engine.model_files import ModelFileError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(args.model)

@@ -1,10 +1,15 @@
-"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``, and the
+handlers that answer with them (the server's and the router's)."""
 
 from __future__ import annotations
 
 import json
+import logging
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
+
+log = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -58,3 +63,15 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         body = error_body(self.status, self.message, self.param)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+async def answer_api_error(_: Request, error: ApiError) -> JSONResponse:
+    """The handler for ``ApiError``: async, so it needs no worker thread (answers in shutdown)."""
+    return error.response()
+
+
+def internal_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug of ours, not the client's input: log the type and path, never the body."""
+    path = request.scope.get("path")
+    log.error("internal error on %s: %s", path, type(error).__name__, exc_info=error)
+    return JSONResponse(error_body(500, "internal server error"), status_code=500)

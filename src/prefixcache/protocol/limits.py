@@ -1,16 +1,12 @@
-"""Server limits and their defaults: one home, read by the app and by `prefixcache serve`.
+"""HTTP-side limits and their defaults: one home, read by the server, the router and their CLIs.
 
-Sampling limits (``n``, temperature, stop strings, seed range, logprobs) live with
-``SamplingParams`` in ``engine/sampling.py``; these are the HTTP-side ones.
+Sampling limits (``n``, temperature, stop strings, seed range, logprobs) are in
+``protocol/sampling_limits.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from prefixcache.engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_PENDING = 256  # requests in flight before new ones get HTTP 429
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # request body (413)
@@ -45,17 +41,3 @@ class Limits:
         if self.max_pending_per_tenant is not None:
             return self.max_pending_per_tenant
         return max(1, max_pending // 2)
-
-
-def longest_token_chars(tokenizer: Tokenizer) -> int:
-    """Characters of the longest vocabulary entry: no token covers more text than that."""
-    return max(len(token) for token in tokenizer.backend.get_vocab(with_added_tokens=True))
-
-
-def max_prompt_chars(tokenizer: Tokenizer, context: int) -> int:
-    """Characters above which a prompt cannot fit ``context`` tokens, checked before tokenizing.
-
-    Each token covers at most ``longest_token_chars`` characters (a byte-level entry is at
-    least as long as the text it stands for), so this never refuses a prompt that fits.
-    """
-    return context * longest_token_chars(tokenizer)

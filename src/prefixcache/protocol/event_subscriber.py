@@ -1,7 +1,7 @@
 """Read one replica's KV events in order: gaps filled through replay, restarts reported.
 
 Speaks only the wire format (``[topic, seq, payload]`` on PUB, the replay exchange on the
-ROUTER; see ``prefixcache.server.events``), so it reads vLLM's publisher as well as ours.
+ROUTER; see ``prefixcache.protocol.kv_events``), so it reads vLLM's publisher as well as ours.
 Replay goes through a DEALER: a REQ socket, as in vLLM's example, can take only the first
 of the many replies a replay sends.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 from prefixcache.cache.events import KVEvent
-from prefixcache.server.events import decode_batch, request_replay
+from prefixcache.protocol.kv_events import decode_batch, request_replay
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import math
 import re
 from typing import Any
 
-from prefixcache.server.errors import ApiError, field_path
-from prefixcache.server.limits import MAX_INT_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH
+from prefixcache.protocol.errors import ApiError, field_path
+from prefixcache.protocol.limits import MAX_INT_DIGITS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # json lets a lone "\ud800" through
 

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prefixcache.engine.sampling import (
+from prefixcache.protocol.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_PROMPTS
+from prefixcache.protocol.sampling_limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -26,7 +27,6 @@ from prefixcache.engine.sampling import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
 )
-from prefixcache.server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_PROMPTS
 
 UNSUPPORTED = ("tools", "functions", "suffix")  # rejected when set to anything but empty
 TokenIds = list[int]
