@@ -29,6 +29,7 @@ from prefixcache.engine.request import Branch, FinishReason, Request, RequestOut
 from prefixcache.engine.sampling import History, SamplingParams, sample
 from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler
 from prefixcache.engine.scrub import BlockScrubber
+from prefixcache.engine.snapshot import EngineSnapshot, take_snapshot
 from prefixcache.engine.stopping import (
     append_output,
     length_reason,
@@ -129,6 +130,14 @@ class LLMEngine:
         self.seconds_per_token: float | None = None
         self.scrubber = BlockScrubber(self.manager, self.kv_store, config.zero_on_evict)
         self._key_log = self._open_key_log(config.log_cache_keys)
+        self.snapshot: EngineSnapshot = take_snapshot(self)  # what other threads may read
+
+    def publish_snapshot(self, recount_owners: bool = True) -> None:
+        """Replace ``snapshot`` by one assignment (on the thread that steps the engine).
+
+        Without ``recount_owners``, per-owner usage counted less than a moment ago is reused.
+        """
+        self.snapshot = take_snapshot(self, None if recount_owners else self.snapshot)
 
     def _open_key_log(self, path: str | None) -> TextIO | None:
         """Attach the key-component log to the cache (debugging; never tokens or text)."""

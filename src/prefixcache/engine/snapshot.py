@@ -1,0 +1,128 @@
+"""EngineSnapshot: the engine's numbers, built on the engine thread for every other thread.
+
+The engine thread (``AsyncLLMEngine._run``) publishes one as ``LLMEngine.snapshot`` by a
+single attribute assignment after each step, after the commands it runs between steps, and
+while idle; a metrics scrape reads only that record, never the live manager, scheduler or
+tier link.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prefixcache.cache.owners import OwnerUsage
+
+if TYPE_CHECKING:
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.tier_link import TierLink
+
+OWNER_RECOUNT_SECONDS = 0.25  # per-owner usage is recounted at most this often while busy
+
+
+@dataclass(frozen=True, slots=True)
+class TierSnapshot:
+    """The second tier's counters, rejected values by reason, timeouts and breaker state."""
+
+    medium: str
+    counters: tuple[tuple[str, float], ...]  # every numeric ``TierStats`` field, by name
+    rejected: tuple[tuple[str, int], ...]  # (reason, count), sorted by reason
+    timeouts: int  # fetches given up at their deadline
+    breaker_state: str  # "closed", "open" or "half_open"
+
+    def counter(self, name: str) -> float:
+        """One ``TierStats`` counter by name."""
+        return dict(self.counters)[name]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Pool, cache counters, queues, owners and tier at one instant (numbers only)."""
+
+    taken_at: float  # time.monotonic() when built
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    num_free_blocks: int
+    usage: float  # share of blocks held by live requests
+    queries: int  # cache counters (``CacheStats``), cumulative
+    hits: int
+    tier_hits: int
+    evictions: int
+    duplicate_blocks: int
+    cow_copies: int
+    min_free_blocks: int
+    num_running: int  # branches
+    num_waiting: int
+    num_preemptions: int
+    num_fair_deferrals: int
+    seconds_per_token: float | None
+    owners: tuple[OwnerUsage, ...]  # () unless fair with an owner; see ``take_snapshot``
+    owners_at: float  # when ``owners`` was counted
+    tier: TierSnapshot | None
+
+
+def take_snapshot(engine: LLMEngine, previous: EngineSnapshot | None = None) -> EngineSnapshot:
+    """The engine's numbers now (call on the engine thread).
+
+    Per-owner usage can be a scan of the whole pool (one owner on the LRU fair pool), so
+    with ``previous`` it is reused when counted less than ``OWNER_RECOUNT_SECONDS`` ago;
+    without ``previous`` everything is counted now.
+    """
+    now = time.monotonic()
+    manager, scheduler, stats = engine.manager, engine.scheduler, engine.manager.stats
+    owners, owners_at = _owners(engine, previous, now)
+    return EngineSnapshot(
+        taken_at=now,
+        block_size=manager.block_size,
+        num_blocks=manager.num_blocks,
+        enable_prefix_caching=engine.config.enable_prefix_caching,
+        num_free_blocks=manager.num_free_blocks,
+        usage=manager.usage,
+        queries=stats.queries,
+        hits=stats.hits,
+        tier_hits=stats.tier_hits,
+        evictions=stats.evictions,
+        duplicate_blocks=stats.duplicate_blocks,
+        cow_copies=stats.cow_copies,
+        min_free_blocks=stats.min_free_blocks,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preemptions=scheduler.num_preemptions,
+        num_fair_deferrals=scheduler.num_fair_deferrals,
+        seconds_per_token=engine.seconds_per_token,
+        owners=owners,
+        owners_at=owners_at,
+        tier=None if engine.tier is None else tier_snapshot(engine.tier),
+    )
+
+
+def _owners(
+    engine: LLMEngine, previous: EngineSnapshot | None, now: float
+) -> tuple[tuple[OwnerUsage, ...], float]:
+    """Per-owner usage and when it was counted: () without fairness or before any owner."""
+    owners = engine.manager.owners
+    if owners is None or not owners.names:
+        return (), now
+    if (
+        previous is not None
+        and len(previous.owners) == len(owners.names)  # no owner new since
+        and now - previous.owners_at < OWNER_RECOUNT_SECONDS
+    ):
+        return previous.owners, previous.owners_at
+    return tuple(engine.manager.owner_usage()), now
+
+
+def tier_snapshot(tier: TierLink) -> TierSnapshot:
+    """The tier link's numbers (``TierClient.stats`` is a copy taken under its lock)."""
+    client = tier.client
+    stats = client.stats.as_dict()
+    rejected = stats.pop("rejected")
+    return TierSnapshot(
+        client.medium,
+        tuple(stats.items()),
+        tuple(sorted(rejected.items())),
+        tier.timeouts,
+        client.breaker_state,
+    )
