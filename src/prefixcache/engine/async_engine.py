@@ -15,6 +15,7 @@ from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
 
 log = logging.getLogger("prefixcache.engine")
+IDLE_REFRESH_SECONDS = 1.0  # with a tier, an idle engine republishes this often
 
 
 @dataclass(slots=True)
@@ -80,7 +81,12 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Steps the engine on a background thread; the event loop never waits on a step."""
+    """Steps the engine on a background thread; the event loop never waits on a step.
+
+    Other threads (metrics) read only ``engine.snapshot``: the engine thread publishes it
+    after each step and each batch of commands, before their callers hear back, and now and
+    then while idle with a tier.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -109,6 +115,7 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)
             if left:
                 log.info("shutdown aborted %d unfinished requests", len(left))
+            self._publish()  # the engine thread is gone: this thread is the engine's only user
         self.engine.close()
 
     async def generate(
@@ -192,36 +199,53 @@ class AsyncLLMEngine:
         while not self._stopped:
             self._drain_commands()
             if not self.engine.has_unfinished_requests():
-                self._wake.wait()
-                self._wake.clear()
+                self._idle()
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as error:  # a broken step must not leave requests hanging
                 log.exception("engine step failed; its requests were aborted")
+                self._publish()
                 self._fail_all(error)
                 continue
+            self._publish()  # before delivering: a client that heard back sees this step
             for output in outputs:
                 self._deliver(output)
 
+    def _publish(self) -> None:
+        """Publish the engine's snapshot; everything recounted when it is about to idle."""
+        try:
+            self.engine.publish_snapshot(not self.engine.has_unfinished_requests())
+        except Exception:  # stale numbers, never a dead engine thread
+            log.exception("engine snapshot failed; metrics keep the previous one")
+
+    def _idle(self) -> None:
+        """Wait for work; with a tier, republish now and then (its writer thread and breaker
+        move on while the engine waits)."""
+        refresh = None if self.engine.tier is None else IDLE_REFRESH_SECONDS
+        while not self._wake.wait(refresh):
+            self._publish()
+        self._wake.clear()
+
     def _drain_commands(self) -> None:
-        """Run queued adds, aborts and calls, between steps, on the engine thread."""
+        """Run queued adds, aborts and calls, between steps, on the engine thread; publish
+        once, then answer their callers."""
+        settled = []
         while True:
             try:
                 future, command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             try:
-                result, error = self._execute(command), None
+                settled.append((future, command, self._execute(command), None))
             except Exception as failure:
-                result, error = None, failure
-            try:
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
-            except InvalidStateError:  # the caller was cancelled and no longer waits
-                pass
+                settled.append((future, command, None, failure))
+        if settled:
+            self._publish()
+        for future, command, result, error in settled:
+            if isinstance(command, AbortRequest) and result is not None:
+                self._deliver(result)  # the aborted request's last snapshot
+            _settle(future, result, error)
 
     def _execute(self, command: Command) -> object:
         """Carry out one command on the engine thread."""
@@ -238,10 +262,7 @@ class AsyncLLMEngine:
             )
             return None
         if isinstance(command, AbortRequest):
-            result = self.engine.abort_request(command.request_id)
-            if result is not None:
-                self._deliver(result)
-            return result
+            return self.engine.abort_request(command.request_id)
         return command.function(self.engine)
 
     def _deliver(self, item: RequestOutput | BaseException, request_id: str = "") -> None:
@@ -253,3 +274,14 @@ class AsyncLLMEngine:
         """Tell every open stream that the step failed (the engine already aborted them)."""
         for request_id in list(self._streams):
             self._deliver(RuntimeError(f"engine step failed: {error}"), request_id)
+
+
+def _settle(future: Future, result: object, error: Exception | None) -> None:
+    """Hand a command's result or error to its caller, if it still waits."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:  # the caller was cancelled and no longer waits
+        pass
