@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from prefixcache.cache.owners import OwnerUsage
-from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
-from prefixcache.engine.tier_link import TierLink
+from prefixcache.engine.snapshot import EngineSnapshot, TierSnapshot
 
 TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -31,67 +31,78 @@ VLLM_TPOT_BUCKETS = (
 VLLM_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
-class CacheCollector:
-    """Reads the cache's own counters at scrape time (no double bookkeeping)."""
+class SnapshotSource(Protocol):
+    """What the metrics read: the engine's numbers as last published (an ``LLMEngine``,
+    whose ``AsyncLLMEngine`` thread publishes them)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str = "") -> None:
-        self.engine = engine
+    snapshot: EngineSnapshot
+
+
+class CacheCollector:
+    """The cache's own counters at scrape time, from the engine's published snapshot only
+    (no double bookkeeping, and no reads of state the engine thread is changing)."""
+
+    def __init__(self, source: SnapshotSource, model_name: str = "") -> None:
+        self.source = source
         self.model_name = model_name
 
-    def collect(self):
-        yield from self._ours()
-        yield from vllm_gauges(self.engine, self.model_name)
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.source.snapshot  # one snapshot for the whole scrape
+        yield from cache_metrics(snapshot)
+        yield from vllm_gauges(snapshot, self.model_name)
 
-    def _ours(self):
-        manager = self.engine.manager
-        stats = manager.stats
-        counters = [
-            (
-                "prefix_cache_queries_tokens",
-                "Prompt tokens looked up in the prefix cache",
-                stats.queries,
-            ),
-            ("prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache", stats.hits),
-            ("kv_evictions", "Cached blocks whose slot was reused", stats.evictions),
-            (
-                "kv_duplicate_blocks",
-                "Committed blocks whose content was already cached",
-                stats.duplicate_blocks,
-            ),
-            ("kv_copy_on_write", "Shared partial blocks copied before an append", stats.cow_copies),
-            (
-                "fair_admission_deferrals",
-                "Admissions put off so as not to evict another tenant's blocks within its share",
-                self.engine.scheduler.num_fair_deferrals,
-            ),
-        ]
-        for name, documentation, value in counters:
-            yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
-        gauges = [
-            ("kv_usage_ratio", "Share of KV blocks held by live requests", manager.usage),
-            ("kv_free_blocks", "KV blocks with refcount 0", manager.num_free_blocks),
-            ("kv_free_blocks_low_watermark", "Fewest free KV blocks seen", stats.min_free_blocks),
-            ("kv_blocks", "KV blocks in the pool", manager.num_blocks),
-            ("requests_running", "Branches running", len(self.engine.scheduler.running)),
-            ("requests_waiting", "Branches waiting", len(self.engine.scheduler.waiting)),
-        ]
-        for name, documentation, value in gauges:
-            yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
-        hits = CounterMetricFamily(
-            "prefixcache_cached_tokens", "Prompt tokens not computed, by source", labels=["source"]
-        )
-        hits.add_metric(["pool"], stats.hits)
-        hits.add_metric(["tier"], stats.tier_hits)
-        yield hits
-        yield from owner_metrics(manager.owner_usage())
-        if self.engine.tier is not None:
-            yield from tier_metrics(self.engine.tier)
+
+def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
+    """Our cache counters and gauges, per-tenant usage and the tier's numbers."""
+    counters = [
+        (
+            "prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            snapshot.queries,
+        ),
+        ("prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache", snapshot.hits),
+        ("kv_evictions", "Cached blocks whose slot was reused", snapshot.evictions),
+        (
+            "kv_duplicate_blocks",
+            "Committed blocks whose content was already cached",
+            snapshot.duplicate_blocks,
+        ),
+        ("kv_copy_on_write", "Shared partial blocks copied before an append", snapshot.cow_copies),
+        (
+            "fair_admission_deferrals",
+            "Admissions put off so as not to evict another tenant's blocks within its share",
+            snapshot.num_fair_deferrals,
+        ),
+    ]
+    for name, documentation, value in counters:
+        yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
+    gauges = [
+        ("kv_usage_ratio", "Share of KV blocks held by live requests", snapshot.usage),
+        ("kv_free_blocks", "KV blocks with refcount 0", snapshot.num_free_blocks),
+        ("kv_free_blocks_low_watermark", "Fewest free KV blocks seen", snapshot.min_free_blocks),
+        ("kv_blocks", "KV blocks in the pool", snapshot.num_blocks),
+        ("requests_running", "Branches running", snapshot.num_running),
+        ("requests_waiting", "Branches waiting", snapshot.num_waiting),
+    ]
+    for name, documentation, value in gauges:
+        yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
+    hits = CounterMetricFamily(
+        "prefixcache_cached_tokens", "Prompt tokens not computed, by source", labels=["source"]
+    )
+    hits.add_metric(["pool"], snapshot.hits)
+    hits.add_metric(["tier"], snapshot.tier_hits)
+    yield hits
+    yield from owner_metrics(snapshot.owners)
+    if snapshot.tier is not None:
+        yield from tier_metrics(snapshot.tier)
 
 
 DEFAULT_OWNER_LABEL = "default"  # requests that named no tenant (library use)
 
 
-def owner_metrics(usage: list[OwnerUsage]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+def owner_metrics(
+    usage: Sequence[OwnerUsage],
+) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
     """Per tenant, with ``--fair-cache``: share, cached blocks, evictions suffered and caused."""
     if not usage:
         return
@@ -138,21 +149,15 @@ TIER_COUNTERS = (
 )
 
 
-def vllm_gauges(engine: LLMEngine, model_name: str) -> Iterator[Metric]:
+def vllm_gauges(snapshot: EngineSnapshot, model_name: str) -> Iterator[Metric]:
     """The engine's state under vLLM's names, for tools built for vLLM (llm-d, dashboards)."""
-    manager, scheduler = engine.manager, engine.scheduler
     families = [
-        (GaugeMetricFamily, "num_requests_running", "Requests running", len(scheduler.running)),
-        (GaugeMetricFamily, "num_requests_waiting", "Requests waiting", len(scheduler.waiting)),
-        (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage (1 = full)", manager.usage),
-        (
-            CounterMetricFamily,
-            "prefix_cache_queries",
-            "Prompt tokens looked up",
-            manager.stats.queries,
-        ),
-        (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens hit", manager.stats.hits),
-        (CounterMetricFamily, "num_preemptions", "Preemptions", scheduler.num_preemptions),
+        (GaugeMetricFamily, "num_requests_running", "Requests running", snapshot.num_running),
+        (GaugeMetricFamily, "num_requests_waiting", "Requests waiting", snapshot.num_waiting),
+        (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage (1 = full)", snapshot.usage),
+        (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up", snapshot.queries),
+        (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens hit", snapshot.hits),
+        (CounterMetricFamily, "num_preemptions", "Preemptions", snapshot.num_preemptions),
     ]
     for kind, name, documentation, value in families:
         family = kind(f"vllm:{name}", documentation, labels=["model_name"])
@@ -165,55 +170,53 @@ def vllm_gauges(engine: LLMEngine, model_name: str) -> Iterator[Metric]:
     )
     info.add_metric(
         [
-            str(manager.block_size),
-            str(manager.num_blocks),
-            str(engine.config.enable_prefix_caching),
+            str(snapshot.block_size),
+            str(snapshot.num_blocks),
+            str(snapshot.enable_prefix_caching),
         ],
         1.0,
     )
     yield info
 
 
-def tier_metrics(tier: TierLink) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+def tier_metrics(tier: TierSnapshot) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
     """The second tier's counters, rejected values by reason and the breaker's state."""
-    stats = tier.client.stats
-    labels = {"medium": tier.client.medium}
+    medium = tier.medium
     for name, documentation in TIER_COUNTERS:
         family = CounterMetricFamily(f"prefixcache_tier_{name}", documentation, labels=["medium"])
-        family.add_metric([labels["medium"]], getattr(stats, name))
+        family.add_metric([medium], tier.counter(name))
         yield family
     rejected = CounterMetricFamily(
         "prefixcache_tier_rejected_values",
         "Tier values that failed a check (checksum, digest, layout, ...): misses, never loaded",
         labels=["medium", "reason"],
     )
-    for reason, count in sorted(stats.rejected.items()):
-        rejected.add_metric([labels["medium"], reason], count)
+    for reason, count in tier.rejected:
+        rejected.add_metric([medium, reason], count)
     yield rejected
     timeouts = CounterMetricFamily(
         "prefixcache_tier_fetch_timeouts", "Fetches given up at their deadline", labels=["medium"]
     )
-    timeouts.add_metric([labels["medium"]], tier.timeouts)
+    timeouts.add_metric([medium], tier.timeouts)
     yield timeouts
     state = GaugeMetricFamily(
         "prefixcache_tier_breaker_state",
         "Circuit breaker: 1 for the current state",
         labels=["medium", "state"],
     )
-    current = tier.client.breaker_state
     for name in ("closed", "open", "half_open"):
-        state.add_metric([labels["medium"], name], 1.0 if name == current else 0.0)
+        state.add_metric([medium, name], 1.0 if name == tier.breaker_state else 0.0)
     yield state
 
 
 class ServerMetrics:
     """Per-request observations plus the cache collector, on a private registry."""
 
-    def __init__(self, engine: LLMEngine, model_name: str = "") -> None:
-        self.engine = engine
+    def __init__(self, source: SnapshotSource, model_name: str = "") -> None:
+        self.source = source  # read only its published snapshot, from any thread
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(CacheCollector(engine, model_name))
+        self.registry.register(CacheCollector(source, model_name))
         self.vllm = VllmRequestMetrics(self.registry, model_name)
         self._recent_first_blocks: OrderedDict[str, deque] = OrderedDict()
         metric = {"registry": self.registry, "namespace": "prefixcache"}
@@ -269,15 +272,16 @@ class ServerMetrics:
         self.first_miss.observe(cached)
         self.prefill_tokens.inc(metrics.num_prefill_tokens)
         self.saved_tokens.inc(cached)
-        if self.engine.seconds_per_token is not None:
-            self.saved_seconds.inc(cached * self.engine.seconds_per_token)
+        seconds_per_token = self.source.snapshot.seconds_per_token
+        if seconds_per_token is not None:
+            self.saved_seconds.inc(cached * seconds_per_token)
         self.lookup.observe(metrics.lookup_seconds)
         self._check_short_prefix(output.prompt_token_ids, cached, salt)
         self.vllm.observe(output)
 
     def _check_short_prefix(self, prompt: list[int], cached: int, salt: str) -> None:
         """Count a miss that shares a sub-block prefix with recent traffic of its salt."""
-        block_size = self.engine.config.block_size
+        block_size = self.source.snapshot.block_size
         head = tuple(prompt[:block_size])
         recent = self._recent_first_blocks.setdefault(salt, deque(maxlen=64))
         self._recent_first_blocks.move_to_end(salt)
