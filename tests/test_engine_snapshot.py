@@ -11,7 +11,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
-from prefixcache.engine import snapshot as snapshot_module
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.snapshot import take_snapshot
@@ -113,21 +112,17 @@ def test_the_scrape_never_reads_the_manager_scheduler_or_tier(tmp_path):
     assert_pool_clean(engine)
 
 
-def test_per_owner_usage_is_reused_only_while_busy_and_recent(monkeypatch):
+def test_per_owner_usage_is_counted_in_every_snapshot():
     engine = tiny_engine(owner_shares={})
     engine.add_request("a", PROMPT, GREEDY, owner="A")
     run_to_completion(engine)
     first = take_snapshot(engine)
     engine.add_request("b", list(range(200, 240)), GREEDY, owner="A")
     run_to_completion(engine)
-    monkeypatch.setattr(snapshot_module, "OWNER_RECOUNT_SECONDS", 60.0)
-    reused = take_snapshot(engine, first)
-    assert reused.owners is first.owners and reused.owners_at == first.owners_at
-    assert reused.queries == 2 * len(PROMPT)  # the rest is always current
-    recounted = take_snapshot(engine)  # no previous: everything counted now
-    assert recounted.owners[0].cached_blocks > first.owners[0].cached_blocks
-    monkeypatch.setattr(snapshot_module, "OWNER_RECOUNT_SECONDS", 0.0)
-    assert take_snapshot(engine, first).owners == recounted.owners
+    second = take_snapshot(engine)
+    assert second.owners[0].cached_blocks > first.owners[0].cached_blocks
+    assert second.queries == first.queries + 40
+    assert_pool_clean(engine)
 
 
 def _complete(url: str, prompt: list[int]) -> dict:

@@ -213,9 +213,9 @@ class AsyncLLMEngine:
                 self._deliver(output)
 
     def _publish(self) -> None:
-        """Publish the engine's snapshot; everything recounted when it is about to idle."""
+        """Publish the engine's snapshot (``LLMEngine.snapshot``)."""
         try:
-            self.engine.publish_snapshot(not self.engine.has_unfinished_requests())
+            self.engine.publish_snapshot()
         except Exception:  # stale numbers, never a dead engine thread
             log.exception("engine snapshot failed; metrics keep the previous one")
 

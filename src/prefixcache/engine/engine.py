@@ -132,12 +132,9 @@ class LLMEngine:
         self._key_log = self._open_key_log(config.log_cache_keys)
         self.snapshot: EngineSnapshot = take_snapshot(self)  # what other threads may read
 
-    def publish_snapshot(self, recount_owners: bool = True) -> None:
-        """Replace ``snapshot`` by one assignment (on the thread that steps the engine).
-
-        Without ``recount_owners``, per-owner usage counted less than a moment ago is reused.
-        """
-        self.snapshot = take_snapshot(self, None if recount_owners else self.snapshot)
+    def publish_snapshot(self) -> None:
+        """Replace ``snapshot`` by one assignment (on the thread that steps the engine)."""
+        self.snapshot = take_snapshot(self)
 
     def _open_key_log(self, path: str | None) -> TextIO | None:
         """Attach the key-component log to the cache (debugging; never tokens or text)."""

@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from prefixcache.engine.engine import LLMEngine
     from prefixcache.engine.tier_link import TierLink
 
-OWNER_RECOUNT_SECONDS = 0.25  # per-owner usage is recounted at most this often while busy
-
 
 @dataclass(frozen=True, slots=True)
 class TierSnapshot:
@@ -58,23 +56,15 @@ class EngineSnapshot:
     num_preemptions: int
     num_fair_deferrals: int
     seconds_per_token: float | None
-    owners: tuple[OwnerUsage, ...]  # () unless fair with an owner; see ``take_snapshot``
-    owners_at: float  # when ``owners`` was counted
+    owners: tuple[OwnerUsage, ...]  # () unless fair with an owner
     tier: TierSnapshot | None
 
 
-def take_snapshot(engine: LLMEngine, previous: EngineSnapshot | None = None) -> EngineSnapshot:
-    """The engine's numbers now (call on the engine thread).
-
-    Per-owner usage can be a scan of the whole pool (one owner on the LRU fair pool), so
-    with ``previous`` it is reused when counted less than ``OWNER_RECOUNT_SECONDS`` ago;
-    without ``previous`` everything is counted now.
-    """
-    now = time.monotonic()
+def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
+    """The engine's numbers now (call on the engine thread; per-owner usage is O(owners))."""
     manager, scheduler, stats = engine.manager, engine.scheduler, engine.manager.stats
-    owners, owners_at = _owners(engine, previous, now)
     return EngineSnapshot(
-        taken_at=now,
+        taken_at=time.monotonic(),
         block_size=manager.block_size,
         num_blocks=manager.num_blocks,
         enable_prefix_caching=engine.config.enable_prefix_caching,
@@ -92,26 +82,9 @@ def take_snapshot(engine: LLMEngine, previous: EngineSnapshot | None = None) -> 
         num_preemptions=scheduler.num_preemptions,
         num_fair_deferrals=scheduler.num_fair_deferrals,
         seconds_per_token=engine.seconds_per_token,
-        owners=owners,
-        owners_at=owners_at,
+        owners=tuple(manager.owner_usage()),
         tier=None if engine.tier is None else tier_snapshot(engine.tier),
     )
-
-
-def _owners(
-    engine: LLMEngine, previous: EngineSnapshot | None, now: float
-) -> tuple[tuple[OwnerUsage, ...], float]:
-    """Per-owner usage and when it was counted: () without fairness or before any owner."""
-    owners = engine.manager.owners
-    if owners is None or not owners.names:
-        return (), now
-    if (
-        previous is not None
-        and len(previous.owners) == len(owners.names)  # no owner new since
-        and now - previous.owners_at < OWNER_RECOUNT_SECONDS
-    ):
-        return previous.owners, previous.owners_at
-    return tuple(engine.manager.owner_usage()), now
 
 
 def tier_snapshot(tier: TierLink) -> TierSnapshot:
