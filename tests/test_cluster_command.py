@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -42,6 +43,29 @@ def replicas_of(cluster: psutil.Process) -> list[psutil.Process]:
     return live
 
 
+def early_503s(url: str, seen: list[dict]) -> bool:
+    """Healthy yet? Keeps each 503 error the router gave while its replicas loaded."""
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=2)
+    except httpx.HTTPError:
+        return False
+    if response.status_code == 503:
+        seen.append(response.json()["error"])
+    return response.status_code == 200
+
+
+def read_lines(process: subprocess.Popen) -> list[str]:
+    """The process's output lines, appended as they come (from a daemon thread)."""
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
 def ask(url: str) -> httpx.Response:
     body = {"model": "tiny-hf", "prompt": "The ferry leaves at noon from pier four. " * 8}
     return httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
@@ -56,9 +80,16 @@ def test_a_cluster_routes_restarts_a_dead_replica_and_stops_on_one_ctrl_c(tmp_pa
     command += ["--kv-cache-bytes", str(2**22)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cluster = psutil.Process(process.pid)
+    lines = read_lines(process)
     url = f"http://127.0.0.1:{port}"
+    ready = f"prefixcache cluster: ready: 2/2 replicas healthy at {url} after "
+    not_ready: list[dict] = []
     try:
-        wait_for(lambda: healthy(url), "the router")
+        wait_for(lambda: early_503s(url, not_ready), "the router")
+        for error in not_ready:  # the replicas load slower than the router: usually some
+            assert error["message"].startswith("no replica is ready yet (0 of 2 healthy")
+            assert "127.0.0.1" not in error["message"]
+        wait_for(lambda: sum(ready in line for line in lines) == 1, "both replicas to join")
         answer = ask(url)
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-prefixcache-replica"].startswith("http://127.0.0.1:")
@@ -70,11 +101,14 @@ def test_a_cluster_routes_restarts_a_dead_replica_and_stops_on_one_ctrl_c(tmp_pa
         wait_for(lambda: len(replicas_of(cluster)) == 2 and victim not in cluster.children(),
                  "the restart")  # fmt: skip
         assert ask(url).status_code == 200  # the other replica serves meanwhile, or both
+        wait_for(lambda: sum(ready in line for line in lines) == 2, "the restarted one to rejoin")
         everyone = cluster.children(recursive=True)
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
-        assert process.returncode == 0
+        assert process.wait(timeout=60) == 0
+        output = "".join(lines)
         assert "exited with" in output and "restarting" in output
+        assert "prefixcache cluster: 1/2 replicas healthy" in output  # the killed one left
+        assert output.index("waiting for 2 replicas to load the model") < output.index(ready)
         _, alive = psutil.wait_procs(everyone, timeout=10)
         assert not alive, f"children left running: {alive}"
     finally:

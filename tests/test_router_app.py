@@ -17,7 +17,9 @@ from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ERROR_TYPES
 from prefixcache.router.app import RouterConfig, RouterState
 from prefixcache.router.forward import REPLICA_HEADER
+from prefixcache.router.index import GlobalIndex
 from prefixcache.router.policy import make_policy
+from prefixcache.router.replicas import ClusterNamespace, Fleet
 from router_fixtures import metric_total, running_router, serving
 from server_fixtures import free_port, write_key_file
 
@@ -115,10 +117,28 @@ def test_no_healthy_replica_is_a_503_error_object() -> None:
         response = httpx.post(f"{url}/v1/chat/completions", json=BODY)
         assert response.status_code == 503
         error = response.json()["error"]
-        assert "no healthy replica" in error["message"]
+        reason = "no replica is ready yet (0 of 1 healthy; replicas are loading the model)"
+        assert error["message"] == reason and dead not in error["message"]
         assert error["type"] == ERROR_TYPES.get(503, "server_error")  # as a replica says it
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["replicas"][0]["healthy"] is False
+        assert health.json()["detail"] == reason
+
+
+def test_the_503_reason_counts_replicas_and_names_no_url() -> None:
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    fleet = Fleet(urls, GlobalIndex(), client=None)  # no request is made
+    assert fleet.unavailable_reason() == (
+        "no replica is ready yet (0 of 2 healthy; replicas are loading the model)"
+    )
+    fleet.namespace = ClusterNamespace("tiny", 16, bytes(32))
+    fleet.replicas[urls[1]].refused = "its namespace differs"
+    reason = fleet.unavailable_reason()
+    assert reason == (
+        "no replica is healthy (0 of 2 healthy, 1 refused for another model or block size; "
+        "they stopped answering health checks)"
+    )
+    assert not any(url in reason for url in urls)
 
 
 def test_a_replica_with_another_namespace_is_refused(caplog: pytest.LogCaptureFixture) -> None:

@@ -95,9 +95,9 @@ class RouterState:
             raise ApiError(401, str(error)) from None
 
     def namespace(self) -> ClusterNamespace:
-        """The replicas' shared namespace; 503 before any replica has answered."""
+        """The replicas' shared namespace; 503 (saying why) while no replica is healthy."""
         if self.fleet.namespace is None or not self.fleet.healthy():
-            raise ApiError(503, "no healthy replica")
+            raise ApiError(503, self.fleet.unavailable_reason())
         return self.fleet.namespace
 
     def health(self) -> JSONResponse:
@@ -125,6 +125,8 @@ class RouterState:
             "namespace_digest": namespace.root.hex() if namespace else None,
             "replicas": replicas,
         }
+        if not up:
+            body["detail"] = self.fleet.unavailable_reason()
         return JSONResponse(body, status_code=200 if up else 503)
 
 

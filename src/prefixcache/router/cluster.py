@@ -5,6 +5,7 @@ commands run the replicas on other machines: the router only needs their URLs (a
 their event endpoints from `/health`). The cores are divided among the replicas; one
 tenant secret is shared, so the router computes the replicas' digests and a shared tier
 serves every replica. A child that dies is reported and restarted after a short backoff.
+It says when the router sees the replicas join (the router answers 503 until one has).
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 EMBEDDED_REDIS = "redis://embedded"
 RESTART_BACKOFF_S = 2.0
+HEALTH_POLL_TIMEOUT_S = 1.0
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def free_port() -> int:
@@ -150,7 +155,51 @@ def _redis_command(port: int, workdir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def supervise(plan: ClusterPlan, stop_after: float | None = None) -> int:
+class Readiness:
+    """Watches the router's ``/health``: says when replicas join, leave, and are all healthy."""
+
+    def __init__(self, router_url: str, replicas: int) -> None:
+        self.router_url, self.replicas = router_url, replicas
+        self.healthy = 0
+        self.since = time.monotonic()
+
+    def poll(self) -> None:
+        """One look at the router; a line only when the count of healthy replicas changed."""
+        healthy = healthy_replicas(self.router_url)
+        if healthy is None or healthy == self.healthy:
+            return
+        if healthy < self.healthy:
+            self.since = time.monotonic()  # time the rejoin from here
+        self.healthy = healthy
+        seconds = time.monotonic() - self.since
+        if healthy == self.replicas:
+            print(
+                f"prefixcache cluster: ready: {healthy}/{self.replicas} replicas healthy at "
+                f"{self.router_url} after {seconds:.1f} s",
+                flush=True,
+            )
+        else:
+            print(f"prefixcache cluster: {healthy}/{self.replicas} replicas healthy", flush=True)
+
+
+def healthy_replicas(router_url: str) -> int | None:
+    """How many replicas the router has in its rotation; None if it does not answer yet."""
+    try:
+        body = httpx.get(f"{router_url}/health", timeout=HEALTH_POLL_TIMEOUT_S).json()
+        return sum(1 for replica in body["replicas"] if replica["healthy"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def router_url(host: str, port: int) -> str:
+    """Where this machine reaches the router (loopback when it binds every address)."""
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def supervise(
+    plan: ClusterPlan, stop_after: float | None = None, readiness: Readiness | None = None
+) -> int:
     """Start every child, restart those that die, stop all on Ctrl-C (or ``stop_after``)."""
     children = ([plan.redis] if plan.redis else []) + plan.replicas + [plan.router]
     stopping = []
@@ -164,6 +213,8 @@ def supervise(plan: ClusterPlan, stop_after: float | None = None) -> int:
         while not stopping and (stop_after is None or time.monotonic() - started < stop_after):
             for child in children:
                 _restart_if_dead(child)
+            if readiness is not None:
+                readiness.poll()
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -202,4 +253,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             + ("; embedded Redis for the KV tier" if plan.redis else ""),
             flush=True,
         )
-        return supervise(plan)
+        print(
+            f"prefixcache cluster: waiting for {len(plan.urls)} replicas to load the model "
+            "(the router answers 503 until one is ready)...",
+            flush=True,
+        )
+        readiness = Readiness(router_url(args.host, args.port), len(plan.urls))
+        return supervise(plan, readiness=readiness)

@@ -119,7 +119,7 @@ class Forwarder:
     ) -> Response:
         """The replica's answer; 503 (an OpenAI error) when no replica could take it."""
         tried: list[str] = []
-        reason = "no healthy replica"
+        reason: str | None = None  # None: no replica to try (then the fleet says why)
         for attempt in range(MAX_ATTEMPTS):
             ticket = self.router.dispatch(digests, exclude=tried)
             if ticket is None:
@@ -134,6 +134,8 @@ class Forwarder:
             self.metrics.retries.labels(outcome.reason.split(":")[0]).inc()
         route.emit(None, "unavailable")
         self.metrics.requests.labels("none", route.endpoint, "503").inc()
+        if reason is None:
+            raise ApiError(503, self.fleet.unavailable_reason())
         detail = f"; tried {', '.join(tried)}" if tried else ""
         raise ApiError(503, f"no replica could serve the request ({reason}{detail})")
 

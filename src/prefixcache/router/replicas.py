@@ -137,6 +137,16 @@ class Fleet:
         """The replicas in the rotation, in configured order."""
         return [r for r in self.replicas.values() if r.healthy]
 
+    def unavailable_reason(self) -> str:
+        """Why no replica can take a request, for a client's 503 (counts, never URLs)."""
+        total, refused = len(self.replicas), sum(1 for r in self.replicas.values() if r.refused)
+        counts = f"{len(self.healthy())} of {total} healthy"
+        if refused:
+            counts += f", {refused} refused for another model or block size"
+        if self.namespace is None:
+            return f"no replica is ready yet ({counts}; replicas are loading the model)"
+        return f"no replica is healthy ({counts}; they stopped answering health checks)"
+
     async def check_all(self) -> None:
         """Every replica's health fetched concurrently, applied in configured order.
 
