@@ -7,6 +7,7 @@ import logging
 import sys
 
 from prefixcache.argtypes import positive_int
+from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.limits import KEEP_ALIVE_TIMEOUT
 from prefixcache.router.policy import (
     DEFAULT_BALANCE_ABS,
@@ -77,6 +78,7 @@ def _add_tuning(route: argparse.ArgumentParser) -> None:
         help="seconds between checks",
     )
     route.add_argument("--health-timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT_S)
+    add_health_log_flag(route)
 
 
 def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily: FastAPI, httpx)
@@ -139,6 +141,7 @@ def run_route(args: argparse.Namespace) -> int:
             flush=True,
         )
     app = create_router_app(config)
+    quiet_health_checks(args.log_health_checks)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT)  # fmt: skip
     return 0

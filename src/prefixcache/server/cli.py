@@ -17,6 +17,7 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_PENDING,
@@ -134,6 +135,7 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         help="also serve /metrics without a key on 127.0.0.1:PORT (on the main port, "
         "/metrics needs an admin key when there is an API key file)",
     )
+    add_health_log_flag(serve)
 
 
 def _positive_seconds(text: str) -> float:
@@ -271,6 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"prefixcache serve: --metrics-port {args.metrics_port}: {error}", file=sys.stderr
             )
             return 2
+    quiet_health_checks(args.log_health_checks)
     try:
         graceful_server(app, args.host, args.port, args.shutdown_timeout).run()
     finally:

@@ -1,0 +1,80 @@
+"""Health checks stay out of the access log of ``prefixcache serve`` and ``prefixcache route``."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixcache.protocol.access_log import HealthCheckFilter
+from router_fixtures import ReplicaProcess, write_tiny_hf_model
+from server_fixtures import free_port
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def access_record(path: str) -> logging.LogRecord:
+    """An access-log record as uvicorn makes it."""
+    args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+    return logging.LogRecord(
+        "uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None
+    )
+
+
+def test_the_filter_drops_health_and_metrics_only() -> None:
+    keep = HealthCheckFilter().filter
+    assert not keep(access_record("/health")) and not keep(access_record("/metrics?x=1"))
+    assert keep(access_record("/v1/models")) and keep(access_record("/healthz"))
+
+
+@pytest.mark.slow
+def test_serve_logs_v1_models_but_not_health(tmp_path: Path) -> None:
+    replica = ReplicaProcess(write_tiny_hf_model(tmp_path / "tiny-hf"), tmp_path)
+    try:
+        replica.start().wait_ready()  # polls /health itself
+        assert httpx.get(f"{replica.url}/health").status_code == 200
+        assert httpx.get(f"{replica.url}/v1/models").status_code == 200
+    finally:
+        replica.stop()
+    log = replica.log_path.read_text()
+    assert '"GET /v1/models HTTP/1.1" 200' in log
+    assert "GET /health" not in log
+
+
+def route_log(tmp_path: Path, *flags: str) -> str:
+    """A router over a replica that is not there: its output after /health and /v1/models."""
+    port = free_port()
+    command = [sys.executable, "-m", "prefixcache.cli", "route", "--port", str(port)]
+    command += ["--replica", f"http://127.0.0.1:{free_port()}", "--policy", "round-robin", *flags]
+    log_path = tmp_path / f"route-{port}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: "Uvicorn running" in log_path.read_text(), "the router", timeout=60)
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert httpx.get(f"{url}/v1/models").status_code == 503
+        wait_for(lambda: "/v1/models" in log_path.read_text(), "the access log line", timeout=10)
+    finally:
+        process.terminate()
+        process.wait(10)
+    return log_path.read_text()
+
+
+@pytest.mark.slow
+def test_route_leaves_health_checks_out_unless_asked(tmp_path: Path) -> None:
+    quiet = route_log(tmp_path)
+    assert '"GET /v1/models HTTP/1.1" 503' in quiet and "GET /health" not in quiet
+    loud = route_log(tmp_path, "--log-health-checks")
+    assert '"GET /health HTTP/1.1" 503' in loud
