@@ -8,7 +8,6 @@ import os
 import stat
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import assert_pool_clean, tiny_engine
@@ -100,11 +99,3 @@ def test_a_tenant_marked_tier_false_never_reaches_the_tier(tmp_path):
         assert engine.tier.client.flush(timeout=10)
         assert engine.tier.client.stats.writes > 0
     engine.close()
-
-
-def test_a_bad_secret_file_is_a_clear_error(tmp_path):
-    path = tmp_path / "secret"
-    path.write_text("not hex")
-    with pytest.raises(ValueError, match="tenant secret file"):
-        load_or_create_secret(path)
-    assert load_or_create_secret(tmp_path / "new") == load_or_create_secret(tmp_path / "new")
