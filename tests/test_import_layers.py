@@ -41,6 +41,10 @@ def test_router_and_protocol_import_without_torch_engine_or_server(modules: list
     assert not [m for m in loaded if m.startswith("prefixcache.server")]
 
 
+def test_the_command_line_imports_no_torch_before_a_command_needs_it() -> None:
+    assert not loaded_after("import prefixcache.cli") & set(FORBIDDEN_IN_ROUTER)
+
+
 def test_route_loads_its_tokenizer_without_torch() -> None:
     """What ``prefixcache route`` runs for a digest policy: the tokenizer from the GGUF."""
     loaded = loaded_after(
