@@ -1,9 +1,9 @@
 """KV events: what the cache reports about content entering and leaving a medium.
 
 The records mirror vLLM's KV events (``BlockStored``, ``BlockRemoved``,
-``AllBlocksCleared``) so a router built for vLLM can read ours; the server encodes them on
-the wire (``prefixcache.server.events``). Digests are the portable SHA-256 chain, never
-token ids unless the operator asks for them; salts never appear.
+``AllBlocksCleared``) so a router built for vLLM can read ours; the protocol layer encodes
+them on the wire (``prefixcache.protocol.kv_events``). Digests are the portable SHA-256
+chain, never token ids unless the operator asks for them; salts never appear.
 """
 
 from __future__ import annotations
