@@ -87,15 +87,16 @@ def test_start_up_deletes_torn_files_and_temp_files(tmp_path: Path):
     again.close()
 
 
-def test_file_torn_after_start_is_a_counted_miss_and_is_replaced(tmp_path: Path):
+def test_file_torn_after_start_is_a_rejected_miss_and_is_replaced(tmp_path: Path):
     client = TierClient(DiskTier(tmp_path, 1 << 20), FMT)
     client.backend.put(digest("a"), value("a"), 0)
     path = block_file(tmp_path, "a")
     path.write_bytes(path.read_bytes()[:-10])
     assert client.fetch([digest("a")]) == []
-    stats = client.stats
-    assert stats.rejected == {"truncated": 1} and stats.miss_blocks == 1
-    assert not path.exists()  # discarded, so the block can be written again
+    stats = client.stats  # the tier refused the short file before decoding: a plain miss
+    assert stats.rejected == {} and stats.miss_blocks == 1
+    assert client.backend.rejected_files == {"wrong_size": 1}
+    assert not path.exists()  # removed, so the block can be written again
     body = hashlib.shake_256(b"a").digest(FMT.payload_bytes)
     assert client.submit_write(digest("a"), 0, body) and client.flush(5)
     assert client.fetch([digest("a")]) == [body]

@@ -3,15 +3,21 @@
 ``PATH/<2 hex>/<64 hex>.kvb`` holds one encoded value. Writes go to ``PATH/tmp/`` and are
 fsynced before ``os.replace`` puts them in place, so a crash leaves either the whole block
 or nothing that loads. The index (digest -> size, depth, last use) lives in memory and is
-rebuilt from the files' headers at start-up; unreadable files and leftover temp files are
-deleted then. One process owns PATH at a time (an ``flock`` on ``PATH/lock`` enforces it).
+rebuilt from the files' headers at start-up; leftover temp files are deleted then. One
+process owns PATH at a time (an ``flock`` on ``PATH/lock`` enforces it).
 Over the cap, the deepest blocks go first, then the least recently used: suffixes before
 the shared prefixes they hang from. Recency survives a restart only as file mtime order.
+
+Nothing in PATH is trusted (``block_folder``, ``safe_files``): PATH and its subfolders must
+be real folders of ours that group and others cannot write, or start-up fails saying how to
+fix it; new folders are 0700 and files 0600. A name that is not a regular file of ours of
+the expected size (a symlink, a FIFO, a device, a stranger's or a torn file) is never
+followed nor read past that size: it is a miss, logged by digest prefix, counted in
+``rejected_files`` by reason, and its name (never a link's target) is unlinked.
 """
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import logging
 import os
@@ -21,11 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixcache.tier.base import KVTier, TierError, TierValueError
-from prefixcache.tier.codec import MAX_HEADER, read_header
+from prefixcache.tier.base import KVTier, TierError
+from prefixcache.tier.block_folder import BlockFolder
 
 logger = logging.getLogger(__name__)
-SUFFIX = ".kvb"
 
 
 @dataclass(slots=True)
@@ -72,61 +77,28 @@ class DiskTier(KVTier):
         self._by_depth: dict[int, OrderedDict[bytes, None]] = {}  # LRU first, per depth
         self._pending: set[bytes] = set()
         self._ticks = itertools.count(1)
-        self._lock_fd = self._take_ownership()
-        self._rebuild()
+        self._folder = BlockFolder(self.path)  # TierError if PATH is not safe to use
+        try:
+            self._rebuild()
+        except BaseException:
+            self._folder.close()
+            raise
         with self._lock:
             removed = self._make_room(0)
         _notify(self.on_removed, removed)
 
-    # -- start-up ---------------------------------------------------------------------
-
-    def _take_ownership(self) -> int:
-        """Create PATH and hold its lock file, so no other process writes here too."""
-        try:
-            (self.path / "tmp").mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise TierError(f"disk tier {self.path}: {error}") from error
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            raise TierError(f"disk tier {self.path} is in use by another DiskTier") from error
-        return fd
+    @property
+    def rejected_files(self) -> dict[str, int]:
+        """Names in PATH that were not sound block files of ours, by reason (a copy)."""
+        return self._folder.rejected_counts()
 
     def _rebuild(self) -> None:
-        """Delete temp files, then index every block file whose header parses."""
-        for leftover in (self.path / "tmp").iterdir():
-            leftover.unlink(missing_ok=True)
-        found = []
-        for folder in self.path.iterdir():
-            if len(folder.name) == 2 and folder.is_dir():
-                found.extend(self._scan(folder))
-        found.sort()  # by mtime: the order of last use, as far as a restart can know
+        """Index every sound block file, in mtime order (the last use a restart can know)."""
+        found = sorted(self._folder.scan())
         for _, digest, size, depth in found:
             self._insert(digest, size, depth)
             self.used_bytes += size
         logger.info("disk tier %s: %d blocks, %d bytes", self.path, len(found), self.used_bytes)
-
-    def _scan(self, folder: Path) -> list[tuple[int, bytes, int, int]]:
-        """(mtime, digest, size, depth) of the sound block files in one folder."""
-        found = []
-        for file in folder.glob(f"*{SUFFIX}"):
-            try:
-                with open(file, "rb", buffering=0) as handle:
-                    header = read_header(handle.read(MAX_HEADER))
-                    stat = os.fstat(handle.fileno())
-                sound = file.stem == header.digest.hex() and stat.st_size == (
-                    header.header_len + header.payload_len
-                )
-            except (OSError, TierValueError):
-                sound = False
-            if sound:
-                found.append((stat.st_mtime_ns, header.digest, stat.st_size, header.depth))
-            else:
-                logger.warning("disk tier: deleting unreadable block file %s", file.name)
-                file.unlink(missing_ok=True)
-        return found
 
     # -- index (callers hold self._lock) ------------------------------------------------
 
@@ -147,10 +119,7 @@ class DiskTier(KVTier):
         if not bucket:
             del self._by_depth[entry.depth]
         self.used_bytes -= entry.size
-        try:
-            self._file(digest).unlink(missing_ok=True)
-        except OSError as error:  # the index forgets it anyway; the next start retries
-            logger.warning("disk tier: cannot delete %s: %s", digest.hex()[:12], error)
+        self._folder.unlink(digest)  # the index forgets it anyway; the next start retries
         return True
 
     def _make_room(self, size: int) -> list[bytes]:
@@ -163,10 +132,6 @@ class DiskTier(KVTier):
         self.evictions += len(removed)
         return removed
 
-    def _file(self, digest: bytes) -> Path:
-        name = digest.hex()
-        return self.path / name[:2] / f"{name}{SUFFIX}"
-
     # -- KVTier -----------------------------------------------------------------------
 
     def present(self, digests: Sequence[bytes]) -> int:
@@ -178,24 +143,29 @@ class DiskTier(KVTier):
         return len(digests)
 
     def get(self, digests: Sequence[bytes]) -> list[bytes | None]:
-        """Each block file's bytes, or None where absent (a file gone meanwhile is absent)."""
-        return [self._read(digest) for digest in digests]
+        """Each block file's bytes, or None where absent, gone or rejected (then forgotten)."""
+        values, gone = [], []
+        for digest in digests:
+            value, indexed = self._read(digest)
+            values.append(value)
+            if value is None and indexed:
+                gone.append(digest)
+        _notify(self.on_removed, gone)
+        return values
 
-    def _read(self, digest: bytes) -> bytes | None:
+    def _read(self, digest: bytes) -> tuple[bytes | None, bool]:
+        """(the block's bytes or None, whether it was indexed); a lost block is unindexed."""
         with self._lock:
             entry = self._entries.get(digest)
             if entry is None:
-                return None
+                return None, False
             self._touch(digest, entry)
-        try:
-            with open(self._file(digest), "rb", buffering=0) as handle:
-                return handle.readall()
-        except FileNotFoundError:
+            size = entry.size
+        value = self._folder.read(digest, size)
+        if value is None:
             with self._lock:
-                self._remove(digest)
-            return None
-        except OSError as error:
-            raise TierError(f"disk tier read {digest.hex()[:12]}: {error}") from error
+                return None, self._remove(digest)
+        return value, True
 
     def put(self, digest: bytes, value: bytes, depth: int) -> bool:
         """Write one block file atomically, evicting others first if the cap needs it."""
@@ -206,7 +176,7 @@ class DiskTier(KVTier):
             removed = self._make_room(len(value))
             self.used_bytes += len(value)  # reserved now, so concurrent puts respect the cap
         try:
-            self._write(digest, value)
+            self._folder.write(digest, value, self.fsync)
         except OSError as error:
             with self._lock:
                 self._pending.discard(digest)
@@ -218,20 +188,6 @@ class DiskTier(KVTier):
         _notify(self.on_removed, removed)
         _notify(self.on_stored, digest)
         return True
-
-    def _write(self, digest: bytes, value: bytes) -> None:
-        final = self._file(digest)
-        temp = self.path / "tmp" / f"{final.name}.{os.getpid()}.{threading.get_ident()}"
-        try:
-            with open(temp, "wb") as handle:
-                handle.write(value)
-                handle.flush()
-                if self.fsync:
-                    os.fsync(handle.fileno())
-            final.parent.mkdir(exist_ok=True)
-            os.replace(temp, final)
-        finally:
-            temp.unlink(missing_ok=True)
 
     def discard(self, digests: Sequence[bytes]) -> None:
         """Delete damaged blocks so they can be written again."""
@@ -249,6 +205,4 @@ class DiskTier(KVTier):
 
     def close(self) -> None:
         """Release PATH's lock; the files stay for the next start."""
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._folder.close()
