@@ -18,8 +18,9 @@ import pytest
 
 from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.protocol.auth import Tenants, load_or_create_secret
+from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.tenant_secret import load_or_create_secret
 from prefixcache.router.app import RouterConfig
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.forward import REPLICA_HEADER

@@ -11,7 +11,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import assert_pool_clean, tiny_engine
-from prefixcache.protocol.auth import Tenants, load_or_create_secret
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.tenant_secret import load_or_create_secret
 from prefixcache.server.cli import tenant_secret
 from server_fixtures import running_server, wait_idle
 

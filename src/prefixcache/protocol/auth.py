@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache.cache.owners import check_shares
+from prefixcache.protocol.tenant_secret import SECRET_BYTES
 
 LOCAL_TENANT = "local"
 KEY_FILE_FORMAT = (
@@ -27,8 +28,6 @@ TENANT_FIELDS = (
     "name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier", "cache_share"
 )  # fmt: skip
 RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
-SECRET_BYTES = 32  # a tenant secret as prefixcache creates it
-MIN_SECRET_BYTES = 16  # the shortest one it accepts
 
 
 class AuthError(Exception):
@@ -63,7 +62,7 @@ class Tenants:
         admin_key: str | None = None,
     ) -> None:
         self._by_key_digest = tenants  # None: a single local tenant, no keys
-        self._secret = secret or os.urandom(32)
+        self._secret = secret or os.urandom(SECRET_BYTES)
         self._admin_key = admin_key  # one admin's key: what a router shows its replicas
 
     @property
@@ -161,47 +160,3 @@ def _non_negative(value: object) -> int:
 def _digest(key: str) -> str:
     """Keys are compared by digest, so lookup time says nothing about key prefixes."""
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def load_or_create_secret(path: str | Path) -> bytes:
-    """The tenant secret kept in ``path`` (hex); created once if absent (random, owner-only).
-
-    Replicas that share it derive the same salts, so they share a tenant's tier blocks, and
-    a restarted server finds its own blocks again.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return _create_secret(path)
-    except (OSError, ValueError) as error:  # a folder, no permission, not UTF-8
-        raise ValueError(
-            f"tenant secret file {path}: cannot read it ({error}){_hint(path)}"
-        ) from None
-    try:
-        secret = bytes.fromhex(text.strip())
-    except ValueError:
-        raise ValueError(f"tenant secret file {path}: not a hex string{_hint(path)}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        message = f"{len(secret)} bytes, at least {MIN_SECRET_BYTES} needed"
-        raise ValueError(f"tenant secret file {path}: {message}{_hint(path)}")
-    return secret
-
-
-def _create_secret(path: Path) -> bytes:
-    """A new random secret written to ``path`` (owner-only; never over an existing file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    secret = os.urandom(SECRET_BYTES)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(secret.hex() + "\n")
-    return secret
-
-
-def _hint(path: Path) -> str:
-    """What a secret file holds and how to make one."""
-    return (
-        f"; expected {2 * SECRET_BYTES} hex digits ({SECRET_BYTES} bytes) on one line. Make one "
-        f'with: python -c "import secrets; print(secrets.token_hex({SECRET_BYTES}))" > {path}'
-        " (or name a path that does not exist, and prefixcache creates it there)"
-    )

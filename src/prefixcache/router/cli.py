@@ -83,7 +83,8 @@ def _add_tuning(route: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily: FastAPI, httpx)
     """Tenants, tokenizer and policy from the flags; ValueError/OSError for bad files."""
-    from prefixcache.protocol.auth import Tenants, load_or_create_secret
+    from prefixcache.protocol.auth import Tenants
+    from prefixcache.protocol.tenant_secret import load_or_create_secret
     from prefixcache.router.app import RouterConfig
     from prefixcache.router.policy import CacheAwareWeights, make_policy
 

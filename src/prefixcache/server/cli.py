@@ -318,14 +318,24 @@ def describe_fair_cache(args: argparse.Namespace, tenants: Tenants) -> str:
     return f"fair cache: on; shares {listed + ', ' if listed else ''}the rest split equally"
 
 
+SHARED_TIER_WITHOUT_SECRET = (
+    "warning: a shared KV tier without --tenant-secret-file: tenant salts are drawn anew by "
+    "each process, so this server reads no block another replica or its own last run stored "
+    "(the tier stays cold after every restart); give every replica the same "
+    "--tenant-secret-file (hex, mode 0600)"
+)
+
+
 def tenant_secret(args: argparse.Namespace) -> bytes | None:
     """The tenant secret: from its file, or kept beside a disk tier; None: per process."""
-    from prefixcache.protocol.auth import load_or_create_secret
+    from prefixcache.protocol.tenant_secret import load_or_create_secret
 
     if args.tenant_secret_file:
         return load_or_create_secret(args.tenant_secret_file)
     if args.kv_tier and args.kv_tier.startswith("disk:"):
         return load_or_create_secret(Path(args.kv_tier.removeprefix("disk:")) / "tenant-secret")
+    if args.kv_tier:  # a shared tier (Redis): salts that die with the process share nothing
+        print(SHARED_TIER_WITHOUT_SECRET, file=sys.stderr, flush=True)
     return None
 
 
