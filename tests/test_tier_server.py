@@ -100,3 +100,25 @@ def test_a_tenant_marked_tier_false_never_reaches_the_tier(tmp_path):
         assert engine.tier.client.flush(timeout=10)
         assert engine.tier.client.stats.writes > 0
     engine.close()
+
+
+def test_a_block_file_swapped_for_a_symlink_is_a_counted_miss_in_metrics(tmp_path):
+    folder, outside = tmp_path / "tier", tmp_path / "outside"
+    serve_once(folder, "When does the ferry leave?")
+    outside.write_bytes(b"\0" * 1024)
+    links = sorted(folder.glob("??/*.kvb"))
+    for block in links:  # every stored block becomes a link to elsewhere
+        block.unlink()
+        block.symlink_to(outside)
+    args = argparse.Namespace(tenant_secret_file=None, kv_tier=f"disk:{folder}")
+    engine = tiny_engine(num_kv_blocks=200, kv_tier=f"disk:{folder}")
+    with running_server(engine, Tenants(None, tenant_secret(args))) as (url, state):
+        warm = ask(url, "Is there a cafe on board?")
+        wait_idle(state)
+        refused = metric(url, "prefixcache_tier_rejected_files_total", medium="disk")
+        assert refused == len(links) > 0
+        assert metric(url, "prefixcache_cached_tokens_total", source="tier") == 0
+    engine.close()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert outside.read_bytes() == b"\0" * 1024  # never written through, never removed
+    assert not any(path.is_symlink() for path in links)

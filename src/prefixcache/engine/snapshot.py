@@ -26,6 +26,7 @@ class TierSnapshot:
     medium: str
     counters: tuple[tuple[str, float], ...]  # every numeric ``TierStats`` field, by name
     rejected: tuple[tuple[str, int], ...]  # (reason, count), sorted by reason
+    rejected_files: tuple[tuple[str, int], ...]  # the backend's refused entries, likewise
     timeouts: int  # fetches given up at their deadline
     breaker_state: str  # "closed", "open" or "half_open"
 
@@ -92,10 +93,12 @@ def tier_snapshot(tier: TierLink) -> TierSnapshot:
     client = tier.client
     stats = client.stats.as_dict()
     rejected = stats.pop("rejected")
+    rejected_files = stats.pop("rejected_files")
     return TierSnapshot(
         client.medium,
         tuple(stats.items()),
         tuple(sorted(rejected.items())),
+        tuple(sorted(rejected_files.items())),
         tier.timeouts,
         client.breaker_state,
     )

@@ -194,6 +194,15 @@ def tier_metrics(tier: TierSnapshot) -> Iterator[CounterMetricFamily | GaugeMetr
     for reason, count in tier.rejected:
         rejected.add_metric([medium, reason], count)
     yield rejected
+    files = CounterMetricFamily(
+        "prefixcache_tier_rejected_files",
+        "Entries in the tier's store refused before reading (symlink, not a regular file, "
+        "another owner, wrong size, ...): misses, their names removed",
+        labels=["medium", "reason"],
+    )
+    for reason, count in tier.rejected_files:
+        files.add_metric([medium, reason], count)
+    yield files
     timeouts = CounterMetricFamily(
         "prefixcache_tier_fetch_timeouts", "Fetches given up at their deadline", labels=["medium"]
     )

@@ -60,11 +60,13 @@ class TierStats:
     errors: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     evictions: int = 0
+    rejected_files: dict[str, int] = field(default_factory=dict)  # the backend's, by reason
 
     def as_dict(self) -> dict[str, object]:
         """A plain copy, safe to serialize or compare."""
         out: dict[str, object] = {name: getattr(self, name) for name in self.__slots__}
         out["rejected"] = dict(self.rejected)
+        out["rejected_files"] = dict(self.rejected_files)
         return out
 
 
@@ -90,6 +92,11 @@ class KVTier(ABC):
 
     medium: str = "tier"  # name used in KV events: "disk" or "redis"
     evictions: int = 0  # blocks this process removed to respect a size cap
+
+    @property
+    def rejected_files(self) -> dict[str, int]:
+        """Stored entries refused as unsound, by reason (the disk tier's files); default none."""
+        return {}
 
     @abstractmethod
     def present(self, digests: Sequence[bytes]) -> int:

@@ -146,10 +146,11 @@ class TierClient:
 
     @property
     def stats(self) -> TierStats:
-        """A consistent copy of the counters (evictions come from the backend)."""
+        """A consistent copy of the counters (evictions and refused files: the backend's)."""
         with self._stats_lock:
             snapshot = TierStats(**self._stats.as_dict())
         snapshot.evictions = self.backend.evictions
+        snapshot.rejected_files = self.backend.rejected_files
         return snapshot
 
     @property
