@@ -14,8 +14,9 @@ import uvicorn
 
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.front import uvicorn_config
 from prefixcache.protocol.limits import Limits
-from prefixcache.server.app import Server, create_app, uvicorn_config
+from prefixcache.server.app import Server, create_app
 
 KEYS = {
     "alpha": {"keys": ["sk-alpha"], "admin": True},
@@ -48,9 +49,9 @@ def running_server(
     yield (base URL, server state)."""
     app = create_app(engine, tenants, model_name, max_pending=max_pending, limits=limits)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn_config(app, "127.0.0.1", port, log_level="warning", lifespan="on")
-    )
+    timeout = app.state.server.limits.request_read_timeout
+    config = uvicorn_config(app, "127.0.0.1", port, timeout, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

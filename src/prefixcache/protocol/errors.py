@@ -8,6 +8,7 @@ import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,20 @@ class ApiError(Exception):
 async def answer_api_error(_: Request, error: ApiError) -> JSONResponse:
     """The handler for ``ApiError``: async, so it needs no worker thread (answers in shutdown)."""
     return error.response()
+
+
+async def answer_http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Routing errors (unknown path 404, wrong method 405) as OpenAI error objects."""
+    path = request.scope["path"]  # as routed; request.url would be rebuilt from Host
+    if error.status_code == 405:
+        message = f"method {request.method} is not allowed on {path}"
+    elif error.status_code == 404:
+        message = f"no such endpoint: {request.method} {path}"
+    else:
+        message = str(error.detail)
+    response = ApiError(error.status_code, message).response()
+    response.headers.update(error.headers or {})
+    return response
 
 
 def internal_error(request: Request, error: Exception) -> JSONResponse:

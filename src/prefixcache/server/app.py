@@ -19,30 +19,25 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine.async_engine import AddRequest, AsyncLLMEngine, RequestStream
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
+from prefixcache.protocol import openapi
+from prefixcache.protocol.admission import InFlight, Ticket
 from prefixcache.protocol.auth import Tenant, Tenants
-from prefixcache.protocol.errors import ApiError, answer_api_error, internal_error
-from prefixcache.protocol.limits import (
-    DEFAULT_MAX_PENDING,
-    KEEP_ALIVE_TIMEOUT,
-    MAX_HEADER_BYTES,
-    PREPARE_THREADS,
-    Limits,
-)
+from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.front import get_and_head, install_front, uvicorn_config
+from prefixcache.protocol.guard import RoutePolicy, tenant_of
+from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
+from prefixcache.protocol.openapi import json_body, responses
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from prefixcache.server import openai_format, openapi
-from prefixcache.server.admission import InFlight, Ticket
+from prefixcache.server import openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
-from prefixcache.server.guard import RequestGuard, RoutePolicy
 from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.openapi import json_body, responses
 from prefixcache.server.prepare import (
     PrepareContext,
     Prepared,
@@ -52,7 +47,6 @@ from prefixcache.server.prepare import (
     prepare_completion,
 )
 from prefixcache.server.prepare_pool import PreparePool
-from prefixcache.server.slow_client import guarded_protocol
 
 log = logging.getLogger("prefixcache.server")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -117,19 +111,9 @@ def create_app(
 
     app = FastAPI(title="prefixcache", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
-    app.add_exception_handler(ApiError, answer_api_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, internal_error)
     _add_routes(app, server)
     openapi.install(app, [ChatCompletionRequest, CompletionRequest], model_name)
-    app.add_middleware(
-        RequestGuard,
-        routes=app.router.routes,
-        tenants=tenants,
-        policy=ROUTES,
-        limits=limits,
-        in_flight=server.in_flight,
-    )
+    install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
 
@@ -162,36 +146,22 @@ def replica_identity(engine: LLMEngine, publisher: KVEventPublisher | None) -> d
     }
 
 
-async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-    """Routing errors (unknown path 404, wrong method 405) as OpenAI error objects."""
-    path = request.scope["path"]  # as routed; request.url would be rebuilt from Host
-    if error.status_code == 405:
-        message = f"method {request.method} is not allowed on {path}"
-    elif error.status_code == 404:
-        message = f"no such endpoint: {request.method} {path}"
-    else:
-        message = str(error.detail)
-    response = ApiError(error.status_code, message).response()
-    response.headers.update(error.headers or {})
-    return response
-
-
 def _add_routes(app: FastAPI, server: Server) -> None:
-    @_get_and_head(app, "/health", responses=responses(openapi.Health))
+    @get_and_head(app, "/health", responses=responses(openapi.Health))
     async def health() -> dict:
         """Liveness, and what a router needs to compute this replica's digests."""
         return {"status": "ok", "model": server.model_name, **server.identity}
 
-    @_get_and_head(app, "/metrics", responses=_text(responses(None, 401, 403)))
+    @get_and_head(app, "/metrics", responses=_text(responses(None, 401, 403)))
     async def metrics() -> Response:
         """Prometheus metrics; with an API key file, for admin keys only."""
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @_get_and_head(app, "/v1/models", responses=responses(openapi.ModelList, 401))
+    @get_and_head(app, "/v1/models", responses=responses(openapi.ModelList, 401))
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(server)]}
 
-    @_get_and_head(
+    @get_and_head(
         app,
         "/v1/models/{model_id:path}",
         responses=responses(openapi.ModelCard, 401, 404),
@@ -225,18 +195,6 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return await server.async_engine.run_in_engine(_reset_report)
 
 
-def _get_and_head(app: FastAPI, path: str, **options: object) -> Callable:
-    """Register a handler for GET and for HEAD (HEAD kept out of the schema: one
-    operation id per route)."""
-
-    def register(handler: Callable) -> Callable:
-        app.add_api_route(path, handler, methods=["GET"], **options)
-        app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False, **options)
-        return handler
-
-    return register
-
-
 def _text(declared: dict) -> dict:
     declared[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     return declared
@@ -258,19 +216,11 @@ def _reset_report(engine: LLMEngine) -> dict:
     }
 
 
-def _tenant(request: Request) -> Tenant:
-    """The tenant the guard authenticated; 401 if it did not (fail closed)."""
-    tenant = request.scope.get("state", {}).get("tenant")
-    if tenant is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
-    return tenant
-
-
 async def _serve(
     server: Server, request: Request, prepare: Callable[[bytes, PrepareContext], Prepared]
 ) -> Response:
     """Prepare the body off the loop, admit it, run it (one engine request per prompt)."""
-    tenant = _tenant(request)
+    tenant = tenant_of(request.scope)
     ticket: Ticket = request.scope["state"]["ticket"]
     if server.draining:
         raise ApiError(503, "the server is shutting down; retry on another replica")
@@ -491,23 +441,10 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, **options: object) -> uvicorn.Config:
-    """uvicorn with the guarded protocol: a deadline per request head, 431 past its size."""
-    timeout = app.state.server.limits.request_read_timeout
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=guarded_protocol(timeout),
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
-        **options,
-    )
-
-
 def graceful_server(app: FastAPI, host: str, port: int, shutdown_timeout: float) -> GracefulServer:
     """A uvicorn server for ``app`` that shuts down within ``shutdown_timeout`` seconds."""
+    timeout = app.state.server.limits.request_read_timeout
     config = uvicorn_config(
-        app, host, port, log_level="info", timeout_graceful_shutdown=shutdown_timeout
+        app, host, port, timeout, log_level="info", timeout_graceful_shutdown=shutdown_timeout
     )
     return GracefulServer(config, app.state.server)

@@ -18,12 +18,7 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
-from prefixcache.protocol.limits import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_PENDING,
-    DEFAULT_REQUEST_READ_TIMEOUT,
-    Limits,
-)
+from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
 
@@ -56,12 +51,6 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
     serve.add_argument(
         "--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
-    )
-    serve.add_argument(
-        "--max-pending",
-        type=positive_int,
-        default=DEFAULT_MAX_PENDING,
-        help="requests in flight before new ones get HTTP 429",
     )
     _add_limit_options(serve)
     serve.add_argument("--api-key-file", help="JSON file of tenants and their API keys")
@@ -109,26 +98,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
 def _add_limit_options(serve: argparse.ArgumentParser) -> None:
     """What one client may send or hold (every limit: README, "Limits")."""
-    serve.add_argument(
-        "--max-pending-per-tenant",
-        type=positive_int,
-        help="requests one tenant may have in flight (HTTP 429 past it; default: half of "
-        "--max-pending; only with --api-key-file)",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest request body, HTTP 413 (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    serve.add_argument(
-        "--request-read-timeout",
-        type=_positive_seconds,
-        default=DEFAULT_REQUEST_READ_TIMEOUT,
-        metavar="SECONDS",
-        help="a request's head, and then its body, must arrive within this long, or HTTP 408 "
-        f"(default {DEFAULT_REQUEST_READ_TIMEOUT:g})",
-    )
+    add_limit_flags(serve)
     serve.add_argument(
         "--metrics-port",
         type=positive_int,
@@ -136,17 +106,6 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         "/metrics needs an admin key when there is an API key file)",
     )
     add_health_log_flag(serve)
-
-
-def _positive_seconds(text: str) -> float:
-    """A number of seconds > 0 (a usage error otherwise)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
 
 
 def _add_tier_options(serve: argparse.ArgumentParser) -> None:
@@ -246,7 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"prefixcache serve: {error}", file=sys.stderr)
         return 2
     name = args.served_model_name or loaded.source.name.split(".")[0]
-    limits = Limits(args.max_body_bytes, args.request_read_timeout, args.max_pending_per_tenant)
+    limits = limits_from(args)
     app = create_app(
         engine, tenants, name, max_pending=args.max_pending, publisher=publisher, limits=limits
     )

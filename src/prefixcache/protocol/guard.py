@@ -3,23 +3,29 @@
 Auth is decided on the route the router will dispatch (Starlette's own matching over the
 app's routes, on ``scope["path"]``), never on a URL rebuilt from the ``Host`` header, and
 before the method is checked, so HEAD, OPTIONS, a trailing slash or ``//v1/...`` get a
-401 or a 404, never an answer. A request to an engine route holds a unit of its tenant's
+401 or a 404, never an answer. A request to a metered route holds a unit of its tenant's
 share from then until its response ends (429 past the share). The body is read whole (no
-engine slot is held meanwhile) and handed to the app as if it had just arrived.
+engine slot or replica is held meanwhile) and handed to the app as if it had just arrived;
+a client that leaves before its body arrived costs one log line (no traceback) and a count.
+The same guard fronts the server and the router (``protocol/front.py``).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from prefixcache.protocol.admission import InFlight, Ticket
 from prefixcache.protocol.auth import AuthError, Tenant, Tenants
+from prefixcache.protocol.body_limit import read_body, replay
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.limits import MAX_HEADER_BYTES, MAX_HEADERS, Limits
-from prefixcache.server.admission import InFlight, Ticket
-from prefixcache.server.body_limit import read_body, replay
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +67,11 @@ class RequestGuard:
 
     def __init__(
         self, app: ASGIApp, *, routes: list[BaseRoute], tenants: Tenants, policy: RoutePolicy,
-        limits: Limits, in_flight: InFlight,
+        limits: Limits, in_flight: InFlight, on_aborted_read: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.app, self.routes, self.tenants = app, routes, tenants
         self.policy, self.limits, self.in_flight = policy, limits, in_flight
+        self.on_aborted_read = on_aborted_read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,14 +85,14 @@ class RequestGuard:
             await _refuse(error, scope, receive, send)
             return
         try:
-            await self._read_then_call(scope, receive, send, tenant, ticket)
+            await self._read_then_call(scope, receive, send, tenant, ticket, path)
         finally:
             if ticket is not None:
                 self.in_flight.leave(ticket)
 
     async def _read_then_call(
         self, scope: Scope, receive: Receive, send: Send, tenant: Tenant | None,
-        ticket: Ticket | None,
+        ticket: Ticket | None, path: str | None,
     ) -> None:  # fmt: skip
         limits = self.limits
         try:
@@ -96,9 +103,18 @@ class RequestGuard:
             await _refuse(error, scope, receive, send)
             return
         if body is None:
-            return  # the client went away before sending its body
+            self._aborted(scope, path)
+            return
         scope.setdefault("state", {}).update(tenant=tenant, ticket=ticket)
         await self.app(scope, replay(body, receive), send)
+
+    def _aborted(self, scope: Scope, path: str | None) -> None:
+        """The client went away before its body arrived: one line (the route, not the
+        client's path), and the count."""
+        route = path or "(no route)"
+        log.info("client left before its request body arrived: %s %s", scope["method"], route)
+        if self.on_aborted_read is not None:
+            self.on_aborted_read()
 
     def authorize(self, scope: Scope) -> tuple[Tenant | None, str | None]:
         """The dispatched route's path, and the tenant it needs (401/403); no tenant for a
@@ -122,3 +138,11 @@ async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -
     """The error, on a connection closed after it (the rest of the body is never read)."""
     error.headers["Connection"] = "close"
     await error.response()(scope, receive, send)
+
+
+def tenant_of(scope: Scope) -> Tenant:
+    """The tenant the guard authenticated for this request; 401 if it did not (fail closed)."""
+    tenant = scope.get("state", {}).get("tenant")
+    if tenant is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
+    return tenant

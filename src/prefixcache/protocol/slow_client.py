@@ -3,7 +3,7 @@
 uvicorn waits for a request head forever: a client that sends one byte a second (slowloris)
 or connects and says nothing holds its connection open. Here every head must be complete
 within the read timeout of its first byte (or of the connection), or it gets a 408 and the
-connection is closed. The body's own deadline is the guard's (``server/body_limit.py``).
+connection is closed. The body's own deadline is the guard's (``protocol/body_limit.py``).
 """
 
 from __future__ import annotations
