@@ -189,16 +189,16 @@ def drop_page_cache(folder: Path) -> None:
             os.close(fd)
 
 
-def time_fetch(client, digests: list[bytes], repeats: int, before=None) -> float:
-    """Median seconds of ``client.fetch(digests)``, after one untimed fetch."""
-    if len(client.fetch(digests)) != len(digests):
+def time_fetch(client, digests: list[bytes], key, repeats: int, before=None) -> float:
+    """Median seconds of ``client.fetch(digests, key)``, after one untimed fetch."""
+    if len(client.fetch(digests, key)) != len(digests):
         raise RuntimeError(f"{client.medium} tier: not every block is stored")
     times = []
     for _ in range(repeats):
         if before is not None:
             before()
         start = time.perf_counter()
-        got = client.fetch(digests)
+        got = client.fetch(digests, key)
         times.append(time.perf_counter() - start)
         if len(got) != len(digests):
             raise RuntimeError(f"{client.medium} tier lost blocks while timed")
@@ -225,20 +225,21 @@ def case_blocks(args) -> dict:
     if not disk.flush(timeout=60):
         raise RuntimeError("the disk tier did not finish its writes")
     digests = engine.manager.prompt_digests(prompt)[: args.blocks]
-    payloads = disk.fetch(digests)
+    key = engine.tier.keys.current.for_salt(None)  # the offline API's requests have no salt
+    payloads = disk.fetch(digests, key)
     redis_client = open_tier(args.redis, disk.fmt)
     for depth, (digest, payload) in enumerate(zip(digests, payloads, strict=True)):
-        redis_client.submit_write(digest, depth, bytes(payload))
+        redis_client.submit_write(digest, depth, bytes(payload), key)
     if not redis_client.flush(timeout=60) or redis_client.present(digests) != len(digests):
         raise RuntimeError("Redis did not store every block")
     stats = disk.stats
     value_bytes = stats.bytes_read // stats.hit_blocks
     times = {
-        "disk": time_fetch(disk, digests, args.repeats),
+        "disk": time_fetch(disk, digests, key, args.repeats),
         "disk, page cache dropped": time_fetch(
-            disk, digests, args.repeats, lambda: drop_page_cache(folder)
+            disk, digests, key, args.repeats, lambda: drop_page_cache(folder)
         ),
-        "redis": time_fetch(redis_client, digests, args.repeats),
+        "redis": time_fetch(redis_client, digests, key, args.repeats),
     }
     redis_client.close()
     llm.close()

@@ -10,6 +10,7 @@ import torch
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.weights import LoadedModel, load_model
+from prefixcache.tier.seal import TierKeys
 
 
 @cache
@@ -79,6 +80,9 @@ def tiny_model() -> LoadedModel:
     return LoadedModel(config, random_state_dict(config), tokenizer, Path("tiny-random"))
 
 
+TEST_TIER_KEYS = TierKeys(bytes(range(32)))
+
+
 def tiny_engine(**options: object) -> LLMEngine:
     """An engine on the tiny model in float64, so batching can't flip a greedy choice.
 
@@ -88,6 +92,8 @@ def tiny_engine(**options: object) -> LLMEngine:
     settings = {"block_size": 4, "num_kv_blocks": 64, "dtype": torch.float64, **options}
     if "kv_tier" in options and "kv_tier_max_wait" not in options:
         settings.update(kv_tier_max_wait=5.0, kv_tier_min_wait=5.0)
+    if "kv_tier" in options:  # one tenant secret for the whole suite, as in a deployment
+        settings.setdefault("tier_keys", TEST_TIER_KEYS)
     return LLMEngine(tiny_model(), EngineConfig(**settings))
 
 

@@ -21,8 +21,10 @@ from prefixcache.tier import (
     open_tier,
 )
 from prefixcache.tier.codec import encode_value
+from prefixcache.tier.seal import TierKeys
 
 FMT = BlockFormat(hashlib.sha256(b"ns").digest(), "float32", "layer,kv", (4, 32), 4)
+KEY = TierKeys(bytes(32)).current.for_salt(None)  # one tenant secret's key for these tests
 OTHER = FMT._replace(namespace_digest=hashlib.sha256(b"other model").digest())
 
 
@@ -77,7 +79,7 @@ def body(name: str) -> bytes:
 
 
 def store(tier: KVTier, name: str, depth: int = 0, fmt: BlockFormat = FMT) -> None:
-    tier.put(digest(name), encode_value(fmt, digest(name), depth, body(name)), depth)
+    tier.put(digest(name), encode_value(fmt, digest(name), depth, body(name), KEY), depth)
 
 
 @pytest.fixture
@@ -89,12 +91,12 @@ def test_fetch_returns_the_leading_run(tmp_path: Path):
     with TierClient(DiskTier(tmp_path, 1 << 20), FMT) as client:
         for depth, name in enumerate(["a", "b", "d"]):
             store(client.backend, name, depth)
-        got = client.fetch([digest(n) for n in "abcd"])
+        got = client.fetch([digest(n) for n in "abcd"], KEY)
         assert [bytes(p) for p in got] == [body("a"), body("b")]
         stats = client.stats
         assert (stats.lookups, stats.hit_blocks, stats.miss_blocks, stats.loads) == (1, 2, 2, 1)
         assert stats.load_seconds > 0 and stats.errors == 0
-        assert client.fetch([]) == [] and client.stats.lookups == 1
+        assert client.fetch([], KEY) == [] and client.stats.lookups == 1
 
 
 def test_a_foreign_block_stops_the_run_and_stays(tmp_path: Path):
@@ -102,16 +104,16 @@ def test_a_foreign_block_stops_the_run_and_stays(tmp_path: Path):
         store(client.backend, "a", 0)
         store(client.backend, "b", 1, fmt=OTHER)
         store(client.backend, "c", 2)
-        assert len(client.fetch([digest(n) for n in "abc"])) == 1
+        assert len(client.fetch([digest(n) for n in "abc"], KEY)) == 1
         assert client.stats.rejected == {"namespace": 1}
         assert client.backend.present([digest("b")]) == 1  # another model's: not ours to delete
 
 
 def test_a_value_under_the_wrong_key_is_rejected_and_discarded(tmp_path: Path):
     with TierClient(DiskTier(tmp_path, 1 << 20), FMT) as client:
-        misfiled = encode_value(FMT, digest("b"), 0, body("b"))
+        misfiled = encode_value(FMT, digest("b"), 0, body("b"), KEY)
         client.backend.put(digest("a"), misfiled, 0)
-        assert client.fetch([digest("a")]) == []
+        assert client.fetch([digest("a")], KEY) == []
         assert client.stats.rejected == {"digest": 1}
         assert client.backend.present([digest("a")]) == 0
 
@@ -119,9 +121,9 @@ def test_a_value_under_the_wrong_key_is_rejected_and_discarded(tmp_path: Path):
 def test_start_fetch_runs_on_a_pool_thread(tmp_path: Path):
     with TierClient(DiskTier(tmp_path, 1 << 20), FMT) as client:
         store(client.backend, "a")
-        future = client.start_fetch([digest("a"), digest("b")])
+        future = client.start_fetch([digest("a"), digest("b")], KEY)
         assert [bytes(p) for p in future.result(timeout=5)] == [body("a")]
-    assert client.start_fetch([digest("a")]).result(timeout=1) == []  # closed: a miss
+    assert client.start_fetch([digest("a")], KEY).result(timeout=1) == []  # closed: a miss
 
 
 def test_breaker_opens_backs_off_and_closes(flaky: FlakyTier, caplog):
@@ -131,22 +133,22 @@ def test_breaker_opens_backs_off_and_closes(flaky: FlakyTier, caplog):
     )
     caplog.set_level(logging.INFO, logger="prefixcache.tier")
     flaky.down = True
-    assert client.fetch([digest("a")]) == [] and client.breaker_state == "closed"
-    assert client.fetch([digest("a")]) == [] and client.breaker_state == "open"
+    assert client.fetch([digest("a")], KEY) == [] and client.breaker_state == "closed"
+    assert client.fetch([digest("a")], KEY) == [] and client.breaker_state == "open"
     calls = flaky.calls
     for _ in range(5):
-        assert client.fetch([digest("a")]) == []
+        assert client.fetch([digest("a")], KEY) == []
     assert flaky.calls == calls  # open: the backend is left alone
     for cooldown in (1, 2, 3, 3):  # each failed probe doubles it, up to the maximum
         clock.now += cooldown - 0.01
         assert client.breaker_state == "open"
         clock.now += 0.01
         assert client.breaker_state == "half_open"
-        assert client.fetch([digest("a")]) == []
+        assert client.fetch([digest("a")], KEY) == []
     flaky.down = False
     clock.now += 3
     store(flaky.inner, "a")
-    assert len(client.fetch([digest("a")])) == 1 and client.breaker_state == "closed"
+    assert len(client.fetch([digest("a")], KEY)) == 1 and client.breaker_state == "closed"
     warnings = [r for r in caplog.records if "circuit open" in r.getMessage()]
     closings = [r for r in caplog.records if "circuit closed" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
@@ -159,7 +161,7 @@ def test_a_success_resets_the_failure_count(flaky: FlakyTier):
     client = TierClient(flaky, FMT, failure_threshold=2)
     for down in (True, False, True, False, True):
         flaky.down = down
-        client.fetch([digest("a")])
+        client.fetch([digest("a")], KEY)
     assert client.breaker_state == "closed" and client.stats.errors == 3
     client.close()
 
@@ -168,14 +170,14 @@ def test_half_open_lets_exactly_one_probe_through(flaky: FlakyTier):
     clock = FakeClock()
     client = TierClient(flaky, FMT, failure_threshold=1, clock=clock)
     flaky.down = True
-    client.fetch([digest("a")])
+    client.fetch([digest("a")], KEY)
     flaky.down, flaky.gate = False, threading.Event()
     flaky.entered.clear()
     clock.now += 1.0
-    probe = client.start_fetch([digest("a")])
+    probe = client.start_fetch([digest("a")], KEY)
     assert flaky.entered.wait(5)
     calls = flaky.calls
-    assert client.fetch([digest("a")]) == [] and flaky.calls == calls  # refused meanwhile
+    assert client.fetch([digest("a")], KEY) == [] and flaky.calls == calls  # refused meanwhile
     flaky.gate.set()
     assert probe.result(timeout=5) == [] and client.breaker_state == "closed"
     client.close()
@@ -184,7 +186,7 @@ def test_half_open_lets_exactly_one_probe_through(flaky: FlakyTier):
 def test_unexpected_backend_exceptions_are_misses(flaky: FlakyTier):
     client = TierClient(flaky, FMT)
     flaky.down, flaky.error = True, RuntimeError
-    assert client.fetch([digest("a")]) == []
+    assert client.fetch([digest("a")], KEY) == []
     assert client.stats.errors == 1
     client.close()
 
@@ -199,20 +201,20 @@ def test_full_queue_drops_and_counts_without_blocking(flaky: FlakyTier):
         release.wait(5)
         return body("a")
 
-    assert client.submit_write(digest("a"), 0, slow_payload)
+    assert client.submit_write(digest("a"), 0, slow_payload, KEY)
     assert entered.wait(5)  # the writer holds "a"; the queue is empty again
-    assert client.submit_write(digest("b"), 1, body("b"))
-    assert not client.submit_write(digest("b"), 1, body("b"))  # already queued: not twice
-    assert client.submit_write(digest("c"), 2, lambda: body("c"))
+    assert client.submit_write(digest("b"), 1, body("b"), KEY)
+    assert not client.submit_write(digest("b"), 1, body("b"), KEY)  # already queued: not twice
+    assert client.submit_write(digest("c"), 2, lambda: body("c"), KEY)
     started = time.perf_counter()
-    assert not client.submit_write(digest("d"), 3, body("d"))
+    assert not client.submit_write(digest("d"), 3, body("d"), KEY)
     assert time.perf_counter() - started < 0.01
     assert client.stats.writes_dropped == 1
     assert not client.flush(0.05)
     release.set()
     assert client.flush(5)
     assert client.stats.writes == 3 and threads == ["tier-writer"]
-    assert len(client.fetch([digest(n) for n in "abcd"])) == 3
+    assert len(client.fetch([digest(n) for n in "abcd"], KEY)) == 3
     client.close()
 
 
@@ -222,11 +224,11 @@ def test_writer_survives_bad_payloads_and_skips_stored_blocks(flaky: FlakyTier):
     def broken() -> bytes:
         raise MemoryError("tensor gone")
 
-    client.submit_write(digest("a"), 0, broken)
-    client.submit_write(digest("b"), 0, b"short")
-    client.submit_write(digest("c"), 0, body("c"))
+    client.submit_write(digest("a"), 0, broken, KEY)
+    client.submit_write(digest("b"), 0, b"short", KEY)
+    client.submit_write(digest("c"), 0, body("c"), KEY)
     assert client.flush(5)
-    client.submit_write(digest("c"), 0, lambda: pytest.fail("stored blocks are not re-read"))
+    client.submit_write(digest("c"), 0, lambda: pytest.fail("stored blocks are not re-read"), KEY)
     assert client.flush(5)
     stats = client.stats
     assert (stats.errors, stats.writes) == (2, 1) and client.breaker_state == "closed"
@@ -238,23 +240,23 @@ def test_backend_write_failures_feed_the_breaker(flaky: FlakyTier):
     client = TierClient(flaky, FMT, failure_threshold=2, cooldown_seconds=60)
     flaky.down = True
     for name in "ab":
-        client.submit_write(digest(name), 0, body(name))
+        client.submit_write(digest(name), 0, body(name), KEY)
         assert client.flush(5)
     assert client.breaker_state == "open" and client.stats.errors == 2
-    assert not client.submit_write(digest("c"), 0, body("c"))
+    assert not client.submit_write(digest("c"), 0, body("c"), KEY)
     assert client.stats.writes_dropped == 1
     client.close()
 
 
 def test_close_stops_the_writer_and_releases_the_backend(tmp_path: Path):
     client = TierClient(DiskTier(tmp_path, 1 << 20), FMT)
-    client.submit_write(digest("a"), 0, body("a"))
+    client.submit_write(digest("a"), 0, body("a"), KEY)
     client.close()
     assert not client._writer.is_alive()
-    assert not client.submit_write(digest("b"), 0, body("b"))
-    assert client.fetch([digest("a")]) == []
+    assert not client.submit_write(digest("b"), 0, body("b"), KEY)
+    assert client.fetch([digest("a")], KEY) == []
     with TierClient(DiskTier(tmp_path, 1 << 20), FMT) as again:  # the lock was released
-        assert [bytes(p) for p in again.fetch([digest("a")])] == [body("a")]
+        assert [bytes(p) for p in again.fetch([digest("a")], KEY)] == [body("a")]
 
 
 def test_logs_carry_short_digests_only(tmp_path: Path, caplog):
@@ -262,8 +264,8 @@ def test_logs_carry_short_digests_only(tmp_path: Path, caplog):
     with TierClient(DiskTier(tmp_path, 1 << 20), FMT) as client:
         store(client.backend, "a", fmt=OTHER)
         store(client.backend, "b")
-        client.fetch([digest("a")])
-        client.fetch([digest("b")])
+        client.fetch([digest("a")], KEY)
+        client.fetch([digest("b")], KEY)
     assert digest("a").hex()[:12] in caplog.text
     assert digest("a").hex()[:13] not in caplog.text and body("b").hex()[:16] not in caplog.text
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from pathlib import Path
@@ -10,8 +11,10 @@ import pytest
 
 from prefixcache.tier import BlockFormat, DiskTier, TierClient, TierError, decode_value
 from prefixcache.tier.codec import encode_value, read_header
+from prefixcache.tier.seal import TierKeys
 
 FMT = BlockFormat(hashlib.sha256(b"ns").digest(), "float32", "layer,kv", (4, 32), 4)
+KEY = TierKeys(bytes(32)).current.for_salt(None)  # one tenant secret's key for these tests
 
 
 def digest(name: str) -> bytes:
@@ -19,8 +22,13 @@ def digest(name: str) -> bytes:
 
 
 def value(name: str, depth: int = 0) -> bytes:
+    return _sealed(name, depth)
+
+
+@functools.cache  # a sealed value has a random nonce: the same block gives the same bytes
+def _sealed(name: str, depth: int) -> bytes:
     body = hashlib.shake_256(name.encode()).digest(FMT.payload_bytes)
-    return encode_value(FMT, digest(name), depth, body)
+    return encode_value(FMT, digest(name), depth, body, KEY)
 
 
 SIZE = len(value("x"))
@@ -92,14 +100,14 @@ def test_file_torn_after_start_is_a_rejected_miss_and_is_replaced(tmp_path: Path
     client.backend.put(digest("a"), value("a"), 0)
     path = block_file(tmp_path, "a")
     path.write_bytes(path.read_bytes()[:-10])
-    assert client.fetch([digest("a")]) == []
+    assert client.fetch([digest("a")], KEY) == []
     stats = client.stats  # the tier refused the short file before decoding: a plain miss
     assert stats.rejected == {} and stats.miss_blocks == 1
     assert client.backend.rejected_files == {"wrong_size": 1}
     assert not path.exists()  # removed, so the block can be written again
     body = hashlib.shake_256(b"a").digest(FMT.payload_bytes)
-    assert client.submit_write(digest("a"), 0, body) and client.flush(5)
-    assert client.fetch([digest("a")]) == [body]
+    assert client.submit_write(digest("a"), 0, body, KEY) and client.flush(5)
+    assert client.fetch([digest("a")], KEY) == [body]
     client.close()
 
 
@@ -162,7 +170,7 @@ def test_concurrent_writer_and_reader_never_see_a_bad_block(tmp_path: Path):
                 if stored is None:
                     continue
                 try:
-                    body = decode_value(FMT, digest(name), stored)
+                    body = decode_value(FMT, digest(name), stored, KEY)
                     assert body == hashlib.shake_256(name.encode()).digest(FMT.payload_bytes)
                     loaded[0] += 1
                 except Exception as error:  # a thread's exception would not fail the test

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Iterator
@@ -11,9 +12,11 @@ import redis.connection
 
 from prefixcache.tier import BlockFormat, RedisTier, TierClient, TierError, open_tier
 from prefixcache.tier.codec import encode_value
+from prefixcache.tier.seal import TierKeys
 from redis_fixtures import RedisProcess, redis_cluster, redis_server
 
 FMT = BlockFormat(hashlib.sha256(b"ns").digest(), "float32", "layer,kv", (4, 32), 4)
+KEY = TierKeys(bytes(32)).current.for_salt(None)  # one tenant secret's key for these tests
 PREFIX = b"prefixcache:kv:"
 
 
@@ -36,7 +39,12 @@ def body(name: str) -> bytes:
 
 
 def value(name: str, depth: int = 0) -> bytes:
-    return encode_value(FMT, digest(name), depth, body(name))
+    return _sealed(name, depth)
+
+
+@functools.cache  # a sealed value has a random nonce: the same block gives the same bytes
+def _sealed(name: str, depth: int) -> bytes:
+    return encode_value(FMT, digest(name), depth, body(name), KEY)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +113,11 @@ def test_reads_of_many_blocks_are_one_round_trip(server: RedisProcess, monkeypat
 def test_client_writes_behind_and_a_fresh_client_reads(server: RedisProcess):
     with open_tier(server.url, FMT) as writer:
         for depth, name in enumerate(["a", "b", "c"]):
-            assert writer.submit_write(digest(name), depth, lambda name=name: body(name))
+            assert writer.submit_write(digest(name), depth, lambda name=name: body(name), KEY)
         assert writer.flush(5)
         assert writer.stats.writes == 3
     with open_tier(server.url, FMT) as reader:
-        got = reader.fetch([digest("a"), digest("b"), digest("c"), digest("d")])
+        got = reader.fetch([digest("a"), digest("b"), digest("c"), digest("d")], KEY)
         assert [bytes(p) for p in got] == [body("a"), body("b"), body("c")]
         stats = reader.stats
         assert (stats.hit_blocks, stats.miss_blocks, stats.loads) == (3, 1, 1)
@@ -120,42 +128,42 @@ def test_killed_server_breaker_opens_then_closes_after_restart():
     clock = FakeClock()
     with redis_server() as server:
         client = TierClient(RedisTier(server.url), FMT, failure_threshold=3, clock=clock)
-        client.submit_write(digest("a"), 0, body("a"))
-        assert client.flush(5) and len(client.fetch([digest("a")])) == 1
+        client.submit_write(digest("a"), 0, body("a"), KEY)
+        assert client.flush(5) and len(client.fetch([digest("a")], KEY)) == 1
         server.kill()
         for _ in range(3):
-            assert client.fetch([digest("a")]) == []  # never raises
+            assert client.fetch([digest("a")], KEY) == []  # never raises
         assert client.breaker_state == "open" and client.breaker_opens == 1
         assert client.stats.errors == 3
         started = time.perf_counter()
-        assert client.fetch([digest("a")]) == []
+        assert client.fetch([digest("a")], KEY) == []
         assert time.perf_counter() - started < 0.05  # open: no call to the dead server
         assert client.stats.errors == 3
-        assert not client.submit_write(digest("b"), 0, body("b"))
+        assert not client.submit_write(digest("b"), 0, body("b"), KEY)
         assert client.stats.writes_dropped == 1
         clock.now += 1.0
         assert client.breaker_state == "half_open"
-        assert client.fetch([digest("a")]) == []  # the probe fails: open, cooldown doubled
+        assert client.fetch([digest("a")], KEY) == []  # the probe fails: open, cooldown doubled
         clock.now += 1.0
         assert client.breaker_state == "open" and client.stats.errors == 4
         server.restart()  # empty: nothing is persisted
         clock.now += 1.0
-        assert client.fetch([digest("a")]) == []  # the probe succeeds: a plain miss
+        assert client.fetch([digest("a")], KEY) == []  # the probe succeeds: a plain miss
         assert client.breaker_state == "closed" and client.breaker_opens == 1
-        assert client.submit_write(digest("a"), 0, body("a")) and client.flush(5)
-        assert [bytes(p) for p in client.fetch([digest("a")])] == [body("a")]
+        assert client.submit_write(digest("a"), 0, body("a"), KEY) and client.flush(5)
+        assert [bytes(p) for p in client.fetch([digest("a")], KEY)] == [body("a")]
         client.close()
 
 
 def test_paused_server_times_out_quickly():
     with redis_server() as server:
         client = TierClient(RedisTier(server.url, socket_timeout=0.2), FMT)
-        client.submit_write(digest("a"), 0, body("a"))
+        client.submit_write(digest("a"), 0, body("a"), KEY)
         assert client.flush(5)
         server.pause()
         try:
             started = time.perf_counter()
-            assert client.fetch([digest("a")]) == []
+            assert client.fetch([digest("a")], KEY) == []
             assert time.perf_counter() - started < 1.0
             assert client.stats.errors == 1
         finally:
@@ -167,12 +175,12 @@ def test_password_and_database_from_the_url():
     with redis_server(password="s3cret") as server:
         url = f"redis://:s3cret@127.0.0.1:{server.port}/2"
         with open_tier(url, FMT) as client:
-            assert client.submit_write(digest("a"), 0, body("a")) and client.flush(5)
+            assert client.submit_write(digest("a"), 0, body("a"), KEY) and client.flush(5)
             assert client.stats.writes == 1
         with server.client(db=2) as plain:
             assert plain.dbsize() == 1
         with open_tier(f"redis://:wrong@127.0.0.1:{server.port}/2", FMT) as client:
-            assert client.fetch([digest("a")]) == []
+            assert client.fetch([digest("a")], KEY) == []
             assert client.stats.errors == 1
 
 
@@ -203,10 +211,10 @@ def test_three_node_cluster_round_trip():
         spec = cluster.url.replace("redis://", "redis+cluster://").removesuffix("/0")
         with open_tier(spec, FMT) as writer:
             for depth, name in enumerate(names):
-                assert writer.submit_write(digest(name), depth, body(name))
+                assert writer.submit_write(digest(name), depth, body(name), KEY)
             assert writer.flush(10) and writer.stats.writes == 40
         with open_tier(spec, FMT) as reader:
-            got = reader.fetch([digest(n) for n in names])
+            got = reader.fetch([digest(n) for n in names], KEY)
             assert [bytes(p) for p in got] == [body(n) for n in names]
             assert reader.stats.errors == 0
         sizes = []

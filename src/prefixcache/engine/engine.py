@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from prefixcache.engine.stopping import (
 from prefixcache.engine.tier_link import TierLink, block_format
 from prefixcache.engine.weights import LoadedModel
 from prefixcache.tier import open_tier
+from prefixcache.tier.seal import TierKeys
+
+log = logging.getLogger("prefixcache.engine")
 
 
 @dataclass(slots=True)
@@ -76,6 +80,7 @@ class EngineConfig:
     kv_tier_max_wait: float = 0.5  # seconds a request may wait for its tier blocks, at most
     kv_tier_min_wait: float = 0.0  # ... and at least (a floor under the estimate)
     owner_shares: dict[str, float] | None = None  # fair cache: owner -> share ({}: equal)
+    tier_keys: TierKeys | None = None  # sealing keys of tier values (None: per process)
 
 
 class LLMEngine:
@@ -155,8 +160,14 @@ class LLMEngine:
             {} if config.kv_tier_max_bytes is None else {"max_bytes": config.kv_tier_max_bytes}
         )
         client = open_tier(config.kv_tier, block_format(self.manager, self.kv_store), **options)
+        if config.tier_keys is None:
+            log.warning(
+                "KV tier values are sealed with a key of this process only: no other process "
+                "opens them (give the engine tier_keys, the server --tenant-secret-file)"
+            )
+        keys = config.tier_keys or TierKeys.ephemeral()
         waits = (config.kv_tier_min_wait, config.kv_tier_max_wait)
-        return TierLink(client, self.manager, self.kv_store, *waits)
+        return TierLink(client, keys, self.manager, self.kv_store, *waits)
 
     def set_event_sink(self, sink: EventSink, token_ids: bool = False) -> None:
         """Report KV events to ``sink``: the pool's, and the tier's with its medium."""

@@ -21,6 +21,7 @@ from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.request import Branch, Request
 from prefixcache.engine.scheduler import ScheduledChunk
 from prefixcache.tier import BlockFormat, TierClient
+from prefixcache.tier.seal import TierKeys
 
 KV_LAYOUT = "layer,kv,token,kv_head,head_dim"
 DEFAULT_SECONDS_PER_TOKEN = 2e-3  # prefill cost before the engine has measured its own
@@ -49,12 +50,14 @@ class TierLink:
     def __init__(
         self,
         client: TierClient,
+        keys: TierKeys,
         manager: KVCacheManager,
         kv_store: KVStore,
         min_wait: float = 0.0,
         max_wait: float = 0.5,
     ) -> None:
         self.client = client
+        self.keys = keys  # values are sealed per tenant salt (``tier.seal``)
         self.manager = manager
         self.kv_store = kv_store
         self.min_wait = min(min_wait, max_wait)  # seconds a request may always wait
@@ -71,7 +74,8 @@ class TierLink:
         first = self.manager.match(tokens, salt) // self.manager.block_size
         if first >= len(digests):
             return
-        future = self.client.start_fetch(digests[first:], depth0=first)
+        key = self.keys.current.for_salt(salt)
+        future = self.client.start_fetch(digests[first:], key, depth0=first)
         wanted = (len(digests) - first) * self.manager.block_size
         rate = self.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
         wait = min(self.max_wait, max(self.min_wait, DEADLINE_SHARE * rate * wanted))
@@ -115,11 +119,12 @@ class TierLink:
     def write_computed(self, chunks: list[ScheduledChunk]) -> None:
         """Queue every full block this forward computed (of requests that use the tier)."""
         block_size = self.manager.block_size
-        ids, digests, depths = [], [], []
+        ids, digests, depths, keys = [], [], [], []
         for chunk in chunks:
-            seq = chunk.branch.seq
-            if seq is None or not chunk.branch.request.use_tier:
+            seq, request = chunk.branch.seq, chunk.branch.request
+            if seq is None or not request.use_tier:
                 continue
+            key = self.keys.current.for_salt(request.cache_salt)
             end = min((chunk.start + chunk.num_tokens) // block_size, seq.num_stored_blocks)
             for index in range(chunk.start // block_size, end):
                 block = seq.blocks[index]
@@ -127,10 +132,11 @@ class TierLink:
                     ids.append(block.block_id)
                     digests.append(block.digest)
                     depths.append(index)
+                    keys.append(key)
         if ids:
             copies = self.kv_store.read_blocks(ids)
-            for copy, digest, depth in zip(copies, digests, depths, strict=True):
-                self.client.submit_write(digest, depth, copy.numpy().tobytes)
+            for copy, digest, depth, key in zip(copies, digests, depths, keys, strict=True):
+                self.client.submit_write(digest, depth, copy.numpy().tobytes, key)
 
     def report_events(self, sink: EventSink) -> None:
         """Tell ``sink`` of blocks stored in (and evicted from) the tier, with its medium."""

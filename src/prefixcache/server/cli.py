@@ -164,6 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixcache.protocol.auth import Tenants
     from prefixcache.server.app import create_app, graceful_server, started_banner
     from prefixcache.tier import redact
+    from prefixcache.tier.seal import TierKeys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
@@ -197,6 +198,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 kv_tier_max_bytes=args.kv_tier_max_bytes,
                 kv_tier_max_wait=args.kv_tier_max_wait,
                 owner_shares=fair_shares(args, tenants),
+                tier_keys=TierKeys.ephemeral() if secret is None else TierKeys(secret),
             ),
         )
         publisher = start_events(args, engine)

@@ -23,10 +23,13 @@ REJECT_REASONS = (
     "layout",
     "shape",
     "length",
-    "checksum",
+    "unsealed",
+    "key",
+    "forged",
 )
-# Reasons that mean the stored value is damaged (not merely another engine's): drop it.
-CORRUPT_REASONS = frozenset({"truncated", "magic", "digest", "length", "checksum"})
+# Reasons that mean the stored value is damaged, forged or not sealed for us (not merely
+# another engine's format): drop it, so the block can be written again.
+CORRUPT_REASONS = frozenset({"truncated", "magic", "digest", "length", "unsealed", "key", "forged"})
 
 
 class BlockFormat(NamedTuple):

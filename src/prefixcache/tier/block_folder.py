@@ -157,7 +157,7 @@ class BlockFolder:
             header = read_header(data)
             if name != f"{header.digest.hex()}{SUFFIX}" or name[:2] != shard:
                 raise Rejected("bad_header", "its name is not its digest")
-            check_file(info, header.header_len + header.payload_len)
+            check_file(info, header.stored_len)
         except FileNotFoundError:
             return None
         except TierValueError as error:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.tier.base import CORRUPT_REASONS, BlockFormat, KVTier, TierStats, TierValueError
 from prefixcache.tier.codec import check_format, decode_value, encode_value
+from prefixcache.tier.seal import SealKey
 
 logger = logging.getLogger(__name__)
 PayloadSource = bytes | bytearray | memoryview | Callable[[], bytes | bytearray | memoryview]
@@ -105,6 +106,7 @@ class _Write:
     digest: bytes
     depth: int
     source: PayloadSource
+    key: SealKey
 
 
 class TierClient:
@@ -180,22 +182,21 @@ class TierClient:
 
     # -- reads ------------------------------------------------------------------------
 
-    def fetch(self, digests: Sequence[bytes], depth0: int = 0) -> list[memoryview]:
-        """Payloads of the longest leading run of ``digests`` stored and valid; never raises.
-
-        ``depth0`` is the chain position of ``digests[0]`` (for logs).
+    def fetch(self, digests: Sequence[bytes], key: SealKey, depth0: int = 0) -> list[memoryview]:
+        """Payloads of the longest leading run of ``digests`` stored, valid and opening under
+        ``key``; never raises. ``depth0`` is the chain position of ``digests[0]`` (for logs).
         """
         digests = list(digests)
         if not digests:
             return []
         try:
-            return self._fetch(digests, depth0)
+            return self._fetch(digests, key, depth0)
         except Exception:  # a bug, not an outage: still a miss, never the engine's problem
             logger.exception("%s tier fetch failed unexpectedly", self.medium)
             self._count(errors=1)
             return []
 
-    def _fetch(self, digests: list[bytes], depth0: int) -> list[memoryview]:
+    def _fetch(self, digests: list[bytes], key: SealKey, depth0: int) -> list[memoryview]:
         if self._closed or not self.breaker.allow():
             self._count(lookups=1, miss_blocks=len(digests))
             return []
@@ -208,7 +209,7 @@ class TierClient:
             self._count(lookups=1, miss_blocks=len(digests))
             return []
         self.breaker.success()
-        payloads = self._decode(digests, values)
+        payloads = self._decode(digests, values, key)
         elapsed = time.perf_counter() - start
         self._count(
             lookups=1,
@@ -222,14 +223,16 @@ class TierClient:
             logger.debug("%s tier hit %d blocks at depth %d", self.medium, len(payloads), depth0)
         return payloads
 
-    def _decode(self, digests: list[bytes], values: list[bytes | None]) -> list[memoryview]:
-        """Decode values in order, stopping at the first absent or rejected one."""
+    def _decode(
+        self, digests: list[bytes], values: list[bytes | None], key: SealKey
+    ) -> list[memoryview]:
+        """Open values in order, stopping at the first absent or rejected one."""
         payloads = []
         for digest, value in zip(digests, values, strict=False):
             if value is None:
                 break
             try:
-                payloads.append(decode_value(self.fmt, digest, value))
+                payloads.append(decode_value(self.fmt, digest, value, key))
             except TierValueError as error:
                 self._reject(error.reason)
                 logger.debug("%s tier rejected %s: %s", self.medium, short(digest), error)
@@ -257,11 +260,13 @@ class TierClient:
         self.breaker.success()
         return found
 
-    def start_fetch(self, digests: Sequence[bytes], depth0: int = 0) -> Future[list[memoryview]]:
+    def start_fetch(
+        self, digests: Sequence[bytes], key: SealKey, depth0: int = 0
+    ) -> Future[list[memoryview]]:
         """``fetch`` on a pool thread, so the caller can overlap it and give up at a deadline."""
         try:
             if not self._closed:
-                return self._pool.submit(self.fetch, list(digests), depth0)
+                return self._pool.submit(self.fetch, list(digests), key, depth0)
         except RuntimeError:  # the pool shut down meanwhile
             pass
         done: Future[list[memoryview]] = Future()
@@ -270,8 +275,11 @@ class TierClient:
 
     # -- writes -----------------------------------------------------------------------
 
-    def submit_write(self, digest: bytes, depth: int, payload_source: PayloadSource) -> bool:
-        """Queue one block for the writer thread; never blocks. False if not queued.
+    def submit_write(
+        self, digest: bytes, depth: int, payload_source: PayloadSource, key: SealKey
+    ) -> bool:
+        """Queue one block, to be sealed under ``key``, for the writer thread; never blocks.
+        False if not queued.
 
         ``payload_source`` is the block's bytes or a zero-argument callable returning
         them, evaluated later on the writer thread: it must read KV that stays valid until
@@ -283,7 +291,7 @@ class TierClient:
             if len(self._queue) >= self.queue_blocks or self.breaker.state == "open":
                 self._count(writes_dropped=1)
                 return False
-            self._queue.append(_Write(digest, depth, payload_source))
+            self._queue.append(_Write(digest, depth, payload_source, key))
             self._queued.add(digest)
             self._cond.notify()
         return True
@@ -309,7 +317,7 @@ class TierClient:
                     self._cond.notify_all()
 
     def _write(self, item: _Write) -> None:
-        """Encode and store one block, unless the store already has it or is down."""
+        """Seal and store one block, unless the store already has it or is down."""
         if not self.breaker.allow():
             self._count(writes_dropped=1)
             return
@@ -335,10 +343,10 @@ class TierClient:
                 self.on_written(item.digest)
 
     def _encode(self, item: _Write) -> bytes | None:
-        """The stored value of a queued block (its payload closure runs here), or None."""
+        """The sealed value of a queued block (its payload closure runs here), or None."""
         try:
             payload = item.source() if callable(item.source) else item.source
-            return encode_value(self.fmt, item.digest, item.depth, payload)
+            return encode_value(self.fmt, item.digest, item.depth, payload, item.key)
         except Exception:
             logger.exception("%s tier cannot encode block %s", self.medium, short(item.digest))
             self._count(errors=1)
