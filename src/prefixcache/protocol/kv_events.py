@@ -13,15 +13,17 @@ vLLM encodes these with msgspec ``array_like=True`` structs, where ``omit_defaul
 effect: every field is written, ``None`` as nil, and a decoder ignores extra trailing
 elements. A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and
 gets every buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end
-marker ``[b"", -1 (signed), b""]``. Topics are ``f"{prefix}.{epoch:016x}"``, a random
-epoch per boot, so a consumer can tell a restarted replica from a gap.
+marker ``[b"", -1 (signed), b""]``. A start past the last batch gets the marker alone, as
+in vLLM; so does a malformed request (``parse_replay_request``). Topics are
+``f"{prefix}.{epoch:016x}"``, a random epoch per boot (or per loss of events), so a consumer
+can tell a restarted stream from a gap.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import zmq
@@ -29,6 +31,9 @@ import zmq
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+SEQ_BYTES = 8  # a sequence number: unsigned, big-endian
+MAX_REPLAY_FRAME_BYTES = 64  # a replay request's largest frame (its start is 8 bytes)
+REPLAY_PROBLEMS = ("frame_count", "delimiter", "start_size", "start_ahead")  # metric labels
 
 # Field names in wire order, after the tag (vLLM's struct declaration order).
 WIRE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -127,3 +132,35 @@ def request_replay(
             return got, True
         got.append((int.from_bytes(frames[-2], "big", signed=True), frames[-1]))
     return got, False
+
+
+# --- replay exchange (server side) -------------------------------------------------
+
+
+class ReplayRequest(NamedTuple):
+    """A replay request as the ROUTER got it: where to answer, and from where (or why not)."""
+
+    envelope: list[bytes]  # [identity, b""] (REQ, or a DEALER speaking like one) or [identity]
+    start: int  # the first seq asked for (0 when the request is malformed)
+    problem: str | None = None  # one of REPLAY_PROBLEMS; None: a well-formed request
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> ReplayRequest:
+    """``[identity, b"", start]`` or ``[identity, start]``, ``start`` 8 bytes big-endian.
+
+    Never raises: anything else comes back with a ``problem`` (and the envelope a client
+    of that shape reads the end marker from), for the server to answer with the marker alone.
+    """
+    identity = frames[0] if frames else b""
+    if len(frames) == 3 and frames[1] == b"":
+        envelope, body = [identity, b""], frames[2]
+    elif len(frames) == 2:
+        envelope, body = [identity], frames[1]
+    elif len(frames) == 3:
+        return ReplayRequest([identity], 0, "delimiter")
+    else:
+        delimited = len(frames) > 1 and frames[1] == b""
+        return ReplayRequest([identity, b""] if delimited else [identity], 0, "frame_count")
+    if len(body) != SEQ_BYTES:
+        return ReplayRequest(envelope, 0, "start_size")
+    return ReplayRequest(envelope, int.from_bytes(body, "big"))

@@ -1,13 +1,17 @@
 """The server's KV-event publisher: batches the cache's events on a thread, publishes them on
 a ZMQ PUB socket and answers replays on a ROUTER socket, in the wire format of
 ``protocol/kv_events.py`` (vLLM's). Binds only to loopback unless told otherwise.
+
+Nothing a peer sends stops it: replay requests are checked (``event_replay.py``), the
+sockets refuse large frames (``event_sockets.py``), and a failure of the thread's loop is
+counted, logged in one line and the loop restarted (``event_health.py`` says when events
+are down). Events that could not be published start a new epoch, so that no consumer keeps
+a view with a hole in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import itertools
 import logging
 import secrets
 import threading
@@ -17,60 +21,30 @@ from collections import deque
 import zmq
 
 from prefixcache.cache.events import BlockStored, EventSink, KVEvent
-from prefixcache.protocol.kv_events import END_SEQ, encode_batch
+from prefixcache.protocol.kv_events import encode_batch
+from prefixcache.server.event_health import EventsCollector, EventsHealth
+from prefixcache.server.event_replay import ReplayServer
+from prefixcache.server.event_sockets import (
+    ALLOW_REMOTE_FLAG,
+    bind_pub,
+    bind_replay,
+    check_bind_allowed,
+    is_loopback_endpoint,
+)
+
+__all__ = [
+    "ALLOW_REMOTE_FLAG",
+    "DEFAULT_ENDPOINT",
+    "KVEventPublisher",
+    "check_bind_allowed",
+    "is_loopback_endpoint",
+    "sink_for",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
-ALLOW_REMOTE_FLAG = "--kv-events-allow-remote"
-PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (vLLM's default)
 CLOSE_LINGER_MS = 200  # how long close() lets queued frames drain to subscribers
-MAX_REPLAYS_PER_TICK = 8  # replay requests served between two flushes of the queue
-
-
-# --- endpoints ---------------------------------------------------------------------
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True for ipc/inproc and tcp on 127.0.0.0/8, ::1 or localhost; False for ``*``."""
-    scheme, _, rest = endpoint.partition("://")
-    if scheme in ("ipc", "inproc"):
-        return True
-    if scheme != "tcp":
-        return False
-    host = rest.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # "*", an interface name or a host name: could be any address
-
-
-def check_bind_allowed(endpoint: str, allow_remote: bool) -> None:
-    """Refuse a non-loopback bind unless the operator opted in."""
-    if allow_remote or is_loopback_endpoint(endpoint):
-        return
-    raise ValueError(
-        f"refusing to bind KV events to {endpoint!r}: not a loopback address, and the "
-        f"events tell anyone who connects what is cached; pass {ALLOW_REMOTE_FLAG} "
-        "(allow_remote=True) to publish beyond this machine"
-    )
-
-
-def _bind(ctx: zmq.Context, kind: int, endpoint: str, hwm: int) -> zmq.Socket:
-    """A socket of ``kind`` bound to ``endpoint`` (``tcp://127.0.0.1:*`` picks a port)."""
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.LINGER, 0)
-    if endpoint.startswith("tcp://["):
-        sock.setsockopt(zmq.IPV6, 1)
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError:
-        sock.close(linger=0)
-        raise
-    return sock
 
 
 # --- publisher ---------------------------------------------------------------------
@@ -102,17 +76,20 @@ class KVEventPublisher:
             if ep is not None:
                 check_bind_allowed(ep, allow_remote)
         assert buffer_batches > 0 and max_batch_events > 0 and flush_interval_s > 0
-        self.epoch = secrets.randbits(64)
-        self.topic = f"{topic_prefix}.{self.epoch:016x}"
-        self._topic_bytes = self.topic.encode()
+        self._topic_prefix = topic_prefix
         self._max_batch_events = max_batch_events
         self._max_queue_events = max_queue_events
         self._tick_ms = max(1, round(flush_interval_s * 1000))
         self._dp_rank = dp_rank
         self._queue: deque[KVEvent] = deque()
+        self._unsent: list[KVEvent] = []  # a batch taken from the queue, not published yet
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._next_seq = 0
-        self.batches_sent = self.events_sent = self.replays_served = self.events_dropped = 0
+        self.batches_sent = self.events_sent = self.events_dropped = 0
+        self.epochs = 0
+        self._start_epoch()
+        self._drops_seen = 0  # events_dropped when this epoch began
+        self.health_state = EventsHealth()
+        self._step, self._broken = "poll", False
         self._open_sockets(endpoint, replay_endpoint, buffer_batches)
         self._closed = False
         self._stop = threading.Event()
@@ -124,19 +101,30 @@ class KVEventPublisher:
         # A context of our own: close() terms it, so the ports are free when it returns
         # (socket teardown is otherwise asynchronous and a quick restart could not rebind).
         self._ctx = ctx = zmq.Context(io_threads=1)
-        self._replay: zmq.Socket | None = None
+        self._buffer_batches = buffer
+        self._replays: ReplayServer | None = None
         try:
-            self._pub = _bind(ctx, zmq.PUB, endpoint, PUB_HWM)
+            self._pub = bind_pub(ctx, endpoint)
             if replay_endpoint is not None:
-                # One full replay must fit in a client's pipe, or ROUTER drops the tail.
-                self._replay = _bind(ctx, zmq.ROUTER, replay_endpoint, buffer + 16)
+                self._replays = ReplayServer(
+                    bind_replay(ctx, replay_endpoint, buffer), self.health_state
+                )
         except zmq.ZMQError:
             ctx.destroy(linger=0)
             raise
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str | None = (
-            self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+            self._replays.sock.getsockopt_string(zmq.LAST_ENDPOINT) if self._replays else None
         )
+
+    def _start_epoch(self) -> None:
+        """A new random topic whose batches count from 0, and an empty replay buffer."""
+        self.epoch = secrets.randbits(64)
+        self.topic = f"{self._topic_prefix}.{self.epoch:016x}"
+        self._topic_bytes = self.topic.encode()
+        self._next_seq = 0
+        self._buffer.clear()
+        self.epochs += 1
 
     # -- engine side --
 
@@ -160,8 +148,8 @@ class KVEventPublisher:
             log.warning("KV events publisher thread did not stop in %.1fs", timeout_s)
             return  # its sockets are still in use: leave them to the daemon thread
         self._pub.close(linger=CLOSE_LINGER_MS)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        if self._replays is not None:
+            self._replays.sock.close(linger=0)
         self._ctx.term()  # returns once queued frames drained (bounded by the linger)
 
     def __enter__(self) -> KVEventPublisher:
@@ -170,73 +158,143 @@ class KVEventPublisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- health (any thread) --
+
+    @property
+    def replays_served(self) -> int:
+        """Replay requests answered with batches (malformed ones are in ``health_state``)."""
+        return 0 if self._replays is None else self._replays.served
+
+    @property
+    def up(self) -> bool:
+        """Publishing: the thread runs and its loop has not failed too often in a row."""
+        return not self.health_state.down and (self._closed or self._thread.is_alive())
+
+    def health(self) -> dict:
+        """The ``kv_events`` object of ``/health``: where, which epoch, and whether up."""
+        return {
+            "endpoint": self.endpoint,
+            "replay": self.replay_endpoint,
+            "topic": self.topic,
+            "status": "ok" if self.up else "down",
+            "failures": sum(self.health_state.failures.values()),
+        }
+
+    def collector(self) -> EventsCollector:
+        """A Prometheus collector of this publisher's numbers (failures, rejections, up)."""
+        return EventsCollector(self)
+
     # -- publisher thread --
 
     def _run(self) -> None:
+        """Run the loop until close(); any failure is counted and the loop restarted."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as exc:
+                if not self._recover(exc):
+                    return
+
+    def _loop(self) -> None:
         """Wait a tick (or a replay request), serve replays, send what is queued; repeat."""
-        try:
-            while not (self._stop.is_set() and not self._queue):
-                backlog = len(self._queue) >= self._max_batch_events
-                self._wait(0 if backlog else self._tick_ms)
-                self._serve_replays()
-                self._send_queued()
-        except Exception:
-            log.exception("KV events publisher thread failed")
+        while not (self._stop.is_set() and not self._queue and not self._unsent):
+            if self._broken:
+                self._step = "sockets"
+                self._reopen_sockets()
+            self._step = "poll"
+            backlog = len(self._queue) >= self._max_batch_events
+            self._wait(0 if backlog else self._tick_ms)
+            self._step = "replay"
+            if self._replays is not None:
+                self._replays.serve_waiting(self._buffer, self._next_seq)
+            self._step = "publish"
+            self._send_queued()
+            if self.health_state.round_ok():
+                log.warning("KV events are up again (topic %s)", self.topic)
+
+    def _recover(self, exc: Exception) -> bool:
+        """Count and log one failure, then pause before a restart; False once closing."""
+        state = self.health_state
+        was_down, pause = state.down, state.failed(self._step)
+        log.error(
+            "KV events publisher: its %s step failed (%s), %d in a row; restarting its loop%s",
+            self._step,
+            _describe(exc),
+            state.in_a_row,
+            "; KV events are down" if state.down and not was_down else "",
+        )
+        if self._stop.is_set():  # closing: what cannot go out now never will
+            self._drop(len(self._unsent) + len(self._queue))
+            return False
+        self._broken = self._broken or isinstance(exc, zmq.ZMQError) or self._step == "sockets"
+        self._stop.wait(pause)
+        return True
+
+    def _reopen_sockets(self) -> None:
+        """Close both sockets and bind new ones on the endpoints the old ones had."""
+        self._pub.close(linger=0)
+        if self._replays is not None:
+            self._replays.sock.close(linger=0)
+        self._pub = bind_pub(self._ctx, self.endpoint)
+        if self._replays is not None and self.replay_endpoint is not None:
+            sock = bind_replay(self._ctx, self.replay_endpoint, self._buffer_batches)
+            self._replays.rebind(sock)
+        self._broken = False
+        log.warning("KV events publisher: sockets bound again on %s", self.endpoint)
 
     def _wait(self, timeout_ms: int) -> None:
         """Sleep up to ``timeout_ms``, waking early for a replay request."""
-        if self._replay is not None:
-            self._replay.poll(timeout_ms)
+        if self._replays is not None:
+            self._replays.sock.poll(timeout_ms)
         elif timeout_ms:
             time.sleep(timeout_ms / 1000)
 
+    def _drop(self, count: int) -> None:
+        """Count events that will never be published (the next batch starts a new epoch)."""
+        self.events_dropped += count
+
     def _send_queued(self) -> None:
-        """Drain the queue in batches of at most ``max_batch_events``."""
-        while self._queue:
-            n = min(len(self._queue), self._max_batch_events)
-            self._send_batch([self._queue.popleft() for _ in range(n)])
+        """Drain the queue in batches of at most ``max_batch_events``; a failed one first."""
+        while self._unsent or self._queue:
+            if not self._unsent:
+                n = min(len(self._queue), self._max_batch_events)
+                self._unsent = [self._queue.popleft() for _ in range(n)]
+            self._send_batch(self._unsent)
+            self._unsent = []
 
     def _send_batch(self, events: list[KVEvent]) -> None:
-        """Encode, number, send and buffer one batch."""
+        """Encode, number, send and buffer one batch (a new epoch first if events were lost)."""
         try:
             payload = encode_batch(time.time(), events, self._dp_rank)
         except (TypeError, ValueError) as exc:  # never log the events: they may hold tokens
-            log.error("dropping %d KV events that failed to encode: %s", len(events), exc)
-            self.events_dropped += len(events)
+            log.error(
+                "dropping %d KV events that failed to encode (%s)", len(events), _describe(exc)
+            )
+            self._drop(len(events))
             return
+        if self.events_dropped != self._drops_seen and not self._closed:
+            self._epoch_after_loss()
         seq = self._next_seq
-        self._next_seq += 1
         self._pub.send_multipart([self._topic_bytes, seq.to_bytes(8, "big"), payload])
+        self._next_seq += 1
         self._buffer.append((seq, payload))
         self.batches_sent += 1
         self.events_sent += len(events)
 
-    def _serve_replays(self) -> None:
-        """Answer the replay requests waiting now (a few per tick, so publishing goes on)."""
-        if self._replay is None:
-            return
-        for _ in range(MAX_REPLAYS_PER_TICK):
-            if not self._replay.poll(0):
-                return
-            self._serve_replay(self._replay.recv_multipart())
+    def _epoch_after_loss(self) -> None:
+        """Events were dropped: a new epoch, so consumers drop what they knew and start over."""
+        lost = self.events_dropped - self._drops_seen
+        self._drops_seen = self.events_dropped
+        self._start_epoch()
+        log.warning("KV events: %d events dropped; new epoch, topic %s", lost, self.topic)
 
-    def _serve_replay(self, frames: list[bytes]) -> None:
-        """Send every buffered batch with ``seq >= start``, then the end marker."""
-        assert self._replay is not None
-        # REQ (and a DEALER speaking like one) sends [id, b"", start]; a bare DEALER [id, start].
-        if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:
-            envelope = [frames[0], b""]
-        elif len(frames) == 2 and len(frames[1]) == 8:
-            envelope = [frames[0]]
-        else:
-            log.warning("ignoring a malformed KV events replay request (%d frames)", len(frames))
-            return
-        start = int.from_bytes(frames[-1], "big")
-        first = self._buffer[0][0] if self._buffer else 0
-        for seq, payload in itertools.islice(self._buffer, max(0, start - first), None):
-            self._replay.send_multipart(envelope + [seq.to_bytes(8, "big"), payload])
-        self.replays_served += 1  # before the marker: a client that saw it sees the count
-        self._replay.send_multipart(envelope + [END_SEQ, b""])
+
+def _describe(exc: BaseException) -> str:
+    """An exception's type (and a socket error's reason), never its message: it may hold data."""
+    if isinstance(exc, zmq.ZMQError):
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return type(exc).__name__
 
 
 def sink_for(publisher: KVEventPublisher, *, include_token_ids: bool) -> EventSink:
