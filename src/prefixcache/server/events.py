@@ -217,27 +217,36 @@ class KVEventPublisher:
         """Count and log one failure, then pause before a restart; False once closing."""
         state = self.health_state
         was_down, pause = state.down, state.failed(self._step)
-        log.error(
-            "KV events publisher: its %s step failed (%s), %d in a row; restarting its loop%s",
-            self._step,
-            _describe(exc),
-            state.in_a_row,
-            "; KV events are down" if state.down and not was_down else "",
-        )
+        n = state.in_a_row
+        if not was_down or n & (n - 1) == 0:  # once down, at the 8th, 16th... in a row only
+            log.error(
+                "KV events publisher: its %s step failed (%s), %d in a row; restarting its loop%s",
+                self._step,
+                _describe(exc),
+                n,
+                "; KV events are down" if state.down and not was_down else "",
+            )
         if self._stop.is_set():  # closing: what cannot go out now never will
             self._drop(len(self._unsent) + len(self._queue))
             return False
-        self._broken = self._broken or isinstance(exc, zmq.ZMQError) or self._step == "sockets"
+        if isinstance(exc, zmq.ZMQError) or self._step == "sockets":
+            self._broken = True
+            self._close_sockets()
         self._stop.wait(pause)
         return True
 
-    def _reopen_sockets(self) -> None:
-        """Close both sockets and bind new ones on the endpoints the old ones had."""
+    def _close_sockets(self) -> None:
+        """Close both sockets at once (a broken one), so their ports are free after the pause."""
         self._pub.close(linger=0)
         if self._replays is not None:
             self._replays.sock.close(linger=0)
-        self._pub = bind_pub(self._ctx, self.endpoint)
-        if self._replays is not None and self.replay_endpoint is not None:
+
+    def _reopen_sockets(self) -> None:
+        """Bind a new socket for each closed one, on the endpoint the old one had."""
+        if self._pub.closed:
+            self._pub = bind_pub(self._ctx, self.endpoint)
+        if self._replays is not None and self._replays.sock.closed:
+            assert self.replay_endpoint is not None
             sock = bind_replay(self._ctx, self.replay_endpoint, self._buffer_batches)
             self._replays.rebind(sock)
         self._broken = False
