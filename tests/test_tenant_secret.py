@@ -121,13 +121,13 @@ def test_route_refuses_a_world_readable_secret_in_one_line(tmp_path: Path) -> No
 
 
 def test_a_shared_tier_without_a_secret_is_warned_about(tmp_path: Path, capsys) -> None:
-    from prefixcache.server.cli import SHARED_TIER_WITHOUT_SECRET, tenant_secret
+    from prefixcache.server.cli import SHARED_TIER_WITHOUT_SECRET, tenant_secrets
 
     redis = argparse.Namespace(tenant_secret_file=None, kv_tier="redis://127.0.0.1:6379/0")
-    assert tenant_secret(redis) is None
+    assert tenant_secrets(redis) is None
     assert SHARED_TIER_WITHOUT_SECRET in capsys.readouterr().err
     assert "cold after every restart" in SHARED_TIER_WITHOUT_SECRET
     disk = argparse.Namespace(tenant_secret_file=None, kv_tier=f"disk:{tmp_path / 'tier'}")
     given = argparse.Namespace(tenant_secret_file=str(tmp_path / "s"), kv_tier=redis.kv_tier)
-    assert len(tenant_secret(disk)) == len(tenant_secret(given)) == 32
+    assert len(tenant_secrets(disk).current) == len(tenant_secrets(given).current) == 32
     assert capsys.readouterr().err == ""

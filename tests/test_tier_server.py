@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.tenant_secret import load_or_create_secret
-from prefixcache.server.cli import tenant_secret
+from prefixcache.server.cli import tenant_secrets
 from server_fixtures import running_server, wait_idle
 
 SYSTEM = "Quokka ferry desk: answer in one short sentence, please. " * 5
@@ -45,7 +45,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 def serve_once(folder, question: str, tenants: Tenants | None = None) -> tuple[dict, dict]:
     """A fresh engine and server on the disk tier in ``folder``: one answer and its metrics."""
     args = argparse.Namespace(tenant_secret_file=None, kv_tier=f"disk:{folder}")
-    tenants = tenants or Tenants(None, tenant_secret(args))
+    tenants = tenants or Tenants(None, tenant_secrets(args).current)
     engine = tiny_engine(num_kv_blocks=200, kv_tier=f"disk:{folder}")
     with running_server(engine, tenants) as (url, state):
         answer = ask(url, question)
@@ -112,7 +112,7 @@ def test_a_block_file_swapped_for_a_symlink_is_a_counted_miss_in_metrics(tmp_pat
         block.symlink_to(outside)
     args = argparse.Namespace(tenant_secret_file=None, kv_tier=f"disk:{folder}")
     engine = tiny_engine(num_kv_blocks=200, kv_tier=f"disk:{folder}")
-    with running_server(engine, Tenants(None, tenant_secret(args))) as (url, state):
+    with running_server(engine, Tenants(None, tenant_secrets(args).current)) as (url, state):
         warm = ask(url, "Is there a cafe on board?")
         wait_idle(state)
         refused = metric(url, "prefixcache_tier_rejected_files_total", medium="disk")

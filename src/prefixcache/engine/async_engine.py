@@ -30,6 +30,7 @@ class AddRequest:
     zero_on_evict: bool = False
     use_tier: bool = True
     owner: str | None = None
+    previous_cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -259,6 +260,7 @@ class AsyncLLMEngine:
                 zero_on_evict=command.zero_on_evict,
                 use_tier=command.use_tier,
                 owner=command.owner,
+                previous_cache_salt=command.previous_cache_salt,
             )
             return None
         if isinstance(command, AbortRequest):

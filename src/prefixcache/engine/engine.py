@@ -209,13 +209,16 @@ class LLMEngine:
         zero_on_evict: bool = False,
         use_tier: bool = True,
         owner: str | None = None,
+        previous_cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
         A cache hit shorter than ``min_hit_tokens`` counts as a miss; with ``zero_on_evict``
         the request's blocks are zeroed before their slots are reused; with ``use_tier``
         off it neither reads nor writes the second KV tier. ``owner`` (a tenant) is whose
-        cache share its blocks count against. A request that asks for prompt logprobs
+        cache share its blocks count against; ``previous_cache_salt`` (a tenant secret's
+        rotation) is its salt under the previous secret, whose tier values it may still read.
+        A request that asks for prompt logprobs
         computes its whole prompt (a cached prefix has no logits): its own hit is skipped and
         the tier is not used, while the blocks it computes are shared as usual.
         """
@@ -243,6 +246,7 @@ class LLMEngine:
             new_decoder=self.tokenizer.incremental_decoder,
             use_tier=use_tier,
             owner=owner,
+            previous_cache_salt=previous_cache_salt,
         )
         if self.tier is not None:
             self.tier.prefetch(request)

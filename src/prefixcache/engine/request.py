@@ -98,11 +98,13 @@ class Request:
         new_decoder: Callable[[], IncrementalDecoder] | None = None,
         use_tier: bool = True,
         owner: str | None = None,
+        previous_cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.cache_salt = cache_salt
+        self.previous_cache_salt = previous_cache_salt  # a secret rotation: tier reads only
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed

@@ -21,6 +21,7 @@ from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.request import Branch, Request
 from prefixcache.engine.scheduler import ScheduledChunk
 from prefixcache.tier import BlockFormat, TierClient
+from prefixcache.tier.client import Chain
 from prefixcache.tier.seal import TierKeys
 
 KV_LAYOUT = "layer,kv,token,kv_head,head_dim"
@@ -75,11 +76,21 @@ class TierLink:
         if first >= len(digests):
             return
         key = self.keys.current.for_salt(salt)
-        future = self.client.start_fetch(digests[first:], key, depth0=first)
+        future = self.client.start_fetch(
+            digests[first:], key, depth0=first, fallback=self._previous(request, first)
+        )
         wanted = (len(digests) - first) * self.manager.block_size
         rate = self.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
         wait = min(self.max_wait, max(self.min_wait, DEADLINE_SHARE * rate * wanted))
         request.tier_fetch = PendingFetch(first, future, time.perf_counter() + wait)
+
+    def _previous(self, request: Request, first: int) -> Chain | None:
+        """During a secret's rotation: the same blocks under the previous salt and key."""
+        salt, previous = request.previous_cache_salt, self.keys.previous
+        if salt is None or previous is None:
+            return None
+        digests = self.manager.prompt_digests(request.prompt_token_ids, salt)
+        return Chain(digests[first:], previous.for_salt(salt))
 
     def ready(self, branch: Branch) -> bool:
         """Whether the branch may be admitted: no fetch pending, or it is done or too late."""

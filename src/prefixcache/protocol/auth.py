@@ -60,9 +60,11 @@ class Tenants:
         tenants: dict[str, Tenant] | None,
         secret: bytes | None = None,
         admin_key: str | None = None,
+        previous_secret: bytes | None = None,
     ) -> None:
         self._by_key_digest = tenants  # None: a single local tenant, no keys
         self._secret = secret or os.urandom(SECRET_BYTES)
+        self._previous_secret = previous_secret  # during a rotation: its salts are read only
         self._admin_key = admin_key  # one admin's key: what a router shows its replicas
 
     @property
@@ -70,7 +72,9 @@ class Tenants:
         return self._by_key_digest is None
 
     @classmethod
-    def from_file(cls, path: str | Path, secret: bytes | None = None) -> Tenants:
+    def from_file(
+        cls, path: str | Path, secret: bytes | None = None, previous_secret: bytes | None = None
+    ) -> Tenants:
         """Load a key file shaped like ``KEY_FILE_FORMAT`` (optional fields: false, 0)."""
         try:
             entries = json.loads(Path(path).read_text())["tenants"]
@@ -84,7 +88,7 @@ class Tenants:
         except (OSError, ValueError, KeyError, TypeError) as error:
             message = f"API key file {path}: {error!r}; expected {KEY_FILE_FORMAT}"
             raise ValueError(message) from None
-        return cls(tenants, secret, admin_key)
+        return cls(tenants, secret, admin_key, previous_secret)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of a ``Bearer`` key; AuthError when it is missing or unknown."""
@@ -108,11 +112,19 @@ class Tenants:
     def cache_salt(self, tenant: Tenant, client_salt: str | None) -> str:
         """The salt for a request: per tenant (and client salt); unique if no reuse."""
         if tenant.no_reuse:
-            parts = [tenant.name, "no-reuse", uuid.uuid4().hex]
-        else:
-            parts = [tenant.name, client_salt or ""]
-        message = json.dumps(parts).encode()  # unambiguous: ("a", "bc") != ("ab", "c")
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+            return _salt(self._secret, [tenant.name, "no-reuse", uuid.uuid4().hex])
+        return _salt(self._secret, [tenant.name, client_salt or ""])
+
+    def previous_cache_salt(self, tenant: Tenant, client_salt: str | None) -> str | None:
+        """The same request's salt under the previous secret (a rotation), else None."""
+        if self._previous_secret is None or tenant.no_reuse:
+            return None
+        return _salt(self._previous_secret, [tenant.name, client_salt or ""])
+
+
+def _salt(secret: bytes, parts: list[str]) -> str:
+    """HMAC of the parts under ``secret``; unambiguous: ("a", "bc") != ("ab", "c")."""
+    return hmac.new(secret, json.dumps(parts).encode(), hashlib.sha256).hexdigest()
 
 
 def _tenant(entry: dict) -> Tenant:

@@ -1,8 +1,10 @@
 """The tenant secret file: hex on one line, owner-only, created once if absent.
 
-Replicas that share it derive the same tenant salts, so they share a tenant's tier blocks,
-and a restarted server finds its own blocks again. Whoever reads it can compute every
-tenant's salt, so a file that anyone but its owner can read or write is refused.
+Replicas that share it derive the same tenant salts and tier keys, so they share a
+tenant's tier blocks, and a restarted server finds its own blocks again. Whoever reads it
+can compute every tenant's salt and open its tier values, so a file that anyone but its
+owner can read or write is refused. A second line, during a rotation, holds the previous
+secret: its tier values are still read (under the previous salts), never written.
 """
 
 from __future__ import annotations
@@ -10,14 +12,27 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import NamedTuple
 
 SECRET_BYTES = 32  # a tenant secret as prefixcache creates it
 MIN_SECRET_BYTES = 16  # the shortest one it accepts
 MAX_SECRET_FILE_BYTES = 4096  # far more than one secret line; a bigger file is not one
 
 
+class TenantSecrets(NamedTuple):
+    """The current tenant secret, and the previous one while a rotation lasts."""
+
+    current: bytes
+    previous: bytes | None = None
+
+
 def load_or_create_secret(path: str | Path) -> bytes:
-    """The tenant secret kept in ``path``; created if absent (random, mode 0600).
+    """The current tenant secret kept in ``path``; created if absent (random, mode 0600)."""
+    return load_secrets(path).current
+
+
+def load_secrets(path: str | Path) -> TenantSecrets:
+    """The secrets kept in ``path`` (created if absent: one random secret, mode 0600).
 
     ValueError, naming the file, what is wrong and how to fix it, for a file that is not
     a regular file of ours, that others may read or write, or that is not hex.
@@ -26,13 +41,17 @@ def load_or_create_secret(path: str | Path) -> bytes:
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        return _create_secret(path)
+        return TenantSecrets(_create_secret(path))
     except OSError as error:  # a symlink (ELOOP), no permission, ...
         raise ValueError(f"tenant secret file {path}: cannot open it ({error.strerror})") from None
     with os.fdopen(descriptor, "rb") as file:
         _check_private(path, os.fstat(file.fileno()))
         data = file.read(MAX_SECRET_FILE_BYTES + 1)
-    return _parse(path, data)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(
+            f"tenant secret file {path}: over {MAX_SECRET_FILE_BYTES} bytes{_hint(path)}"
+        )
+    return _parse_lines(path, data)
 
 
 def _check_private(path: Path, info: os.stat_result) -> None:
@@ -62,15 +81,30 @@ def _who(mode: int) -> str:
     return ", ".join(rights) or "others can execute it"
 
 
-def _parse(path: Path, data: bytes) -> bytes:
-    """The secret in a file's bytes: one line of hex, at least ``MIN_SECRET_BYTES``."""
+def _parse_lines(path: Path, data: bytes) -> TenantSecrets:
+    """The current secret (first line) and a previous one (an optional second line)."""
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    if not 1 <= len(lines) <= 2:
+        raise ValueError(
+            f"tenant secret file {path}: {len(lines)} lines; one secret, or two during a "
+            f"rotation (the new one first, then the previous one){_hint(path)}"
+        )
+    secrets = [_parse(path, line, number) for number, line in enumerate(lines, start=1)]
+    if len(secrets) == 2 and secrets[0] == secrets[1]:
+        raise ValueError(f"tenant secret file {path}: line 2 repeats line 1 (nothing rotates)")
+    return TenantSecrets(*secrets)
+
+
+def _parse(path: Path, data: bytes, line: int = 1) -> bytes:
+    """One secret: a line of hex, at least ``MIN_SECRET_BYTES``."""
+    where = f"tenant secret file {path}" + (f", line {line}" if line > 1 else "")
     try:
         secret = bytes.fromhex(data.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
-        raise ValueError(f"tenant secret file {path}: not a hex string{_hint(path)}") from None
+        raise ValueError(f"{where}: not a hex string{_hint(path)}") from None
     if len(secret) < MIN_SECRET_BYTES:
         message = f"{len(secret)} bytes, at least {MIN_SECRET_BYTES} needed"
-        raise ValueError(f"tenant secret file {path}: {message}{_hint(path)}")
+        raise ValueError(f"{where}: {message}{_hint(path)}")
     return secret
 
 

@@ -111,8 +111,11 @@ def create_app(
 
     app = FastAPI(title="prefixcache", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
+    app.state.kv_events = publisher  # /health reads whether its events are up
+    if publisher is not None:
+        server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest], model_name)
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest], lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
@@ -150,9 +153,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @get_and_head(app, "/health", responses=responses(openapi.Health))
     async def health() -> dict:
         """Liveness, and what a router needs to compute this replica's digests."""
-        return {"status": "ok", "model": server.model_name, **server.identity}
+        publisher = app.state.kv_events  # events up or down: the replica serves either way
+        live = {} if publisher is None else {"kv_events": publisher.health()}
+        return {"status": "ok", "model": server.model_name, **server.identity, **live}
 
-    @get_and_head(app, "/metrics", responses=_text(responses(None, 401, 403)))
+    @get_and_head(app, "/metrics", responses=openapi.plain_text(responses(None, 401, 403)))
     async def metrics() -> Response:
         """Prometheus metrics; with an API key file, for admin keys only."""
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -195,11 +200,6 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return await server.async_engine.run_in_engine(_reset_report)
 
 
-def _text(declared: dict) -> dict:
-    declared[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}
-    return declared
-
-
 def _model_card(server: Server) -> dict:
     return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
 
@@ -228,7 +228,8 @@ async def _serve(
     prompts, body, shape = ready.prompts, ready.body, ready.shape
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
-    fan_in = await _open(server, tenant, shape, prompts, ready.params, salt)
+    previous = server.tenants.previous_cache_salt(tenant, body.cache_salt)
+    fan_in = await _open(server, tenant, shape, prompts, ready.params, (salt, previous))
     done = _Done(server, tenant, salt, shape.request_id, "chat" if shape.chat else "completions")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -270,11 +271,15 @@ async def _open(
     shape: openai_format.Shape,
     prompts: list[list[int]],
     params: SamplingParams,
-    salt: str,
+    salts: tuple[str, str | None],
 ) -> FanIn:
-    """Put every prompt in the engine together (so they share their prefix); 400 if refused."""
+    """Put every prompt in the engine together (so they share their prefix); 400 if refused.
+
+    ``salts``: the request's cache salt, and its salt under a previous secret (rotation).
+    """
     adds = [
-        _add_request(shape, i, len(prompts), p, params, salt, tenant) for i, p in enumerate(prompts)
+        _add_request(shape, i, len(prompts), p, params, salts, tenant)
+        for i, p in enumerate(prompts)
     ]
     opened = await asyncio.gather(
         *(server.async_engine.open(add) for add in adds), return_exceptions=True
@@ -297,7 +302,7 @@ def _add_request(
     count: int,
     prompt: list[int],
     params: SamplingParams,
-    salt: str,
+    salts: tuple[str, str | None],
     tenant: Tenant,
 ) -> AddRequest:
     """Prompt ``index`` of ``count`` as an engine request (ids ``<id>-<index>`` for a batch)."""
@@ -305,11 +310,12 @@ def _add_request(
         shape.request_id if count == 1 else f"{shape.request_id}-{index}",
         prompt,
         params,
-        salt,
+        salts[0],
         min_hit_tokens=tenant.min_hit_tokens,
         zero_on_evict=tenant.zero_on_evict,
         use_tier=tenant.uses_tier,
         owner=tenant.name,
+        previous_cache_salt=salts[1],
     )
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from prefixcache.engine.engine import LLMEngine
     from prefixcache.protocol.auth import Tenants
+    from prefixcache.protocol.tenant_secret import TenantSecrets
     from prefixcache.server.events import KVEventPublisher
     from prefixcache.server.metrics import ServerMetrics
     from prefixcache.server.trace_out import TraceWriter
@@ -172,11 +173,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        secret = tenant_secret(args)
+        secrets = tenant_secrets(args)
+        current, previous = secrets or (None, None)
         tenants = (
-            Tenants.from_file(args.api_key_file, secret)
+            Tenants.from_file(args.api_key_file, current, previous)
             if args.api_key_file
-            else Tenants(None, secret)
+            else Tenants(None, current, previous_secret=previous)
         )
         loaded = load_model(args.model)
         engine = LLMEngine(
@@ -198,7 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 kv_tier_max_bytes=args.kv_tier_max_bytes,
                 kv_tier_max_wait=args.kv_tier_max_wait,
                 owner_shares=fair_shares(args, tenants),
-                tier_keys=TierKeys.ephemeral() if secret is None else TierKeys(secret),
+                tier_keys=TierKeys.ephemeral() if secrets is None else TierKeys(*secrets),
             ),
         )
         publisher = start_events(args, engine)
@@ -287,14 +289,15 @@ SHARED_TIER_WITHOUT_SECRET = (
 )
 
 
-def tenant_secret(args: argparse.Namespace) -> bytes | None:
-    """The tenant secret: from its file, or kept beside a disk tier; None: per process."""
-    from prefixcache.protocol.tenant_secret import load_or_create_secret
+def tenant_secrets(args: argparse.Namespace) -> TenantSecrets | None:
+    """The tenant secret (and a previous one, rotating): from its file, or kept beside a
+    disk tier; None: per process."""
+    from prefixcache.protocol.tenant_secret import load_secrets
 
     if args.tenant_secret_file:
-        return load_or_create_secret(args.tenant_secret_file)
+        return load_secrets(args.tenant_secret_file)
     if args.kv_tier and args.kv_tier.startswith("disk:"):
-        return load_or_create_secret(Path(args.kv_tier.removeprefix("disk:")) / "tenant-secret")
+        return load_secrets(Path(args.kv_tier.removeprefix("disk:")) / "tenant-secret")
     if args.kv_tier:  # a shared tier (Redis): salts that die with the process share nothing
         print(SHARED_TIER_WITHOUT_SECRET, file=sys.stderr, flush=True)
     return None

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from prefixcache.tier.base import CORRUPT_REASONS, BlockFormat, KVTier, TierStats, TierValueError
 from prefixcache.tier.codec import check_format, decode_value, encode_value
@@ -101,6 +102,13 @@ class CircuitBreaker:
         )
 
 
+class Chain(NamedTuple):
+    """The same blocks under other digests and key (a previous secret's, during rotation)."""
+
+    digests: list[bytes]
+    key: SealKey
+
+
 @dataclass(slots=True)
 class _Write:
     digest: bytes
@@ -182,15 +190,22 @@ class TierClient:
 
     # -- reads ------------------------------------------------------------------------
 
-    def fetch(self, digests: Sequence[bytes], key: SealKey, depth0: int = 0) -> list[memoryview]:
+    def fetch(
+        self, digests: Sequence[bytes], key: SealKey, depth0: int = 0, fallback: Chain | None = None
+    ) -> list[memoryview]:
         """Payloads of the longest leading run of ``digests`` stored, valid and opening under
         ``key``; never raises. ``depth0`` is the chain position of ``digests[0]`` (for logs).
+        Past the run, ``fallback`` (the same blocks under a previous secret) may extend it.
         """
         digests = list(digests)
         if not digests:
             return []
         try:
-            return self._fetch(digests, key, depth0)
+            payloads = self._fetch(digests, key, depth0)
+            if fallback is not None and len(payloads) < len(digests):
+                rest = fallback.digests[len(payloads) : len(digests)]
+                payloads += self._fetch(rest, fallback.key, depth0 + len(payloads)) if rest else []
+            return payloads
         except Exception:  # a bug, not an outage: still a miss, never the engine's problem
             logger.exception("%s tier fetch failed unexpectedly", self.medium)
             self._count(errors=1)
@@ -261,12 +276,12 @@ class TierClient:
         return found
 
     def start_fetch(
-        self, digests: Sequence[bytes], key: SealKey, depth0: int = 0
+        self, digests: Sequence[bytes], key: SealKey, depth0: int = 0, fallback: Chain | None = None
     ) -> Future[list[memoryview]]:
         """``fetch`` on a pool thread, so the caller can overlap it and give up at a deadline."""
         try:
             if not self._closed:
-                return self._pool.submit(self.fetch, list(digests), key, depth0)
+                return self._pool.submit(self.fetch, list(digests), key, depth0, fallback)
         except RuntimeError:  # the pool shut down meanwhile
             pass
         done: Future[list[memoryview]] = Future()
