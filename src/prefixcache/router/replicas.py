@@ -5,6 +5,10 @@ block size, namespace digest) agrees with the cluster's: the first replica to an
 sets it, and one that disagrees is refused with a log line saying why. A replica that
 fails a check or refuses a connection leaves the rotation and its index entries are
 dropped; when it answers again it rejoins with a fresh event feed (replay from seq 0).
+
+A replica whose ``/health`` says its KV events are down stays in the rotation (it still
+serves) but is routed as if it held nothing: its feed stops and its index entries go, so
+no stale cache knowledge is trusted. Once its events are ok again it gets a fresh feed.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ReplicaIdentity(NamedTuple):
     root: bytes
     tier: str | None
     events: EventEndpoints | None
+    events_up: bool = True  # False: its publisher is down, so its events are not to be trusted
 
     @property
     def namespace(self) -> ClusterNamespace:
@@ -69,9 +74,18 @@ def parse_health(body: object, base_url: str) -> ReplicaIdentity:
             bytes.fromhex(body["namespace_digest"]),
             body.get("tier"),
             endpoints,
+            events_up(events),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a prefixcache replica's /health ({error!r})") from None
+
+
+def events_up(events: object) -> bool:
+    """Whether a ``/health``'s ``kv_events`` says they are published (no status: an older
+    replica, up; anything but ``"ok"``: down)."""
+    if not isinstance(events, dict):
+        return True  # no events at all: nothing to distrust
+    return events.get("status", "ok") == "ok"
 
 
 def reachable(endpoint: str, base_url: str) -> str:
@@ -240,30 +254,34 @@ class Fleet:
         if replica.healthy and not self._needs_resync(replica, identity):
             replica.identity = identity
             return
-        if replica.healthy:
-            log.info("replica %s restarted or its event feed stopped: resyncing", replica.url)
+        was_healthy = replica.healthy
         self._drop(replica)
         replica.identity, replica.refused, replica.last_error = identity, None, None
         if self.use_events and identity.events is not None:
-            replica.feed = EventFeed(
-                replica.url, identity.events, self.index, identity.tier
-            ).start()
+            if identity.events_up:  # down: left unattached, no entries and no expectations
+                replica.feed = EventFeed(
+                    replica.url, identity.events, self.index, identity.tier
+                ).start()
         else:
             self.index.attach(replica.url, identity.tier)  # no events: only expectations
         replica.healthy = True
         log.info(
-            "replica %s joined the rotation (%s)",
+            "replica %s %s (%s)",
             replica.url,
-            "KV events " + identity.events.topic if identity.events else "no KV events",
+            "resynced (restarted, or its events changed)" if was_healthy else "joined the rotation",
+            _events_note(identity),
         )
 
     def _needs_resync(self, replica: Replica, identity: ReplicaIdentity) -> bool:
-        """A new epoch the feed has not seen yet (an idle restarted replica), or a dead feed."""
+        """A new epoch the feed has not seen yet (an idle restarted replica), a dead feed, or
+        events that went down or came back up."""
         if replica.identity is None or replica.identity.tier != identity.tier:
             return True
         feed, events = replica.feed, identity.events
         if not self.use_events or (feed is None and events is None):
             return False
+        if events is not None and not identity.events_up:
+            return feed is not None or replica.identity.events_up  # events just went down
         if feed is None or events is None or not feed.alive:
             return True
         same_sockets = (feed.events.endpoint, feed.events.replay) == (
@@ -293,6 +311,15 @@ class Fleet:
             replica.load_error = None
         except (httpx.HTTPError, ValueError) as error:
             replica.load_error = describe(error)  # load stays as last seen; health decides
+
+
+def _events_note(identity: ReplicaIdentity) -> str:
+    """How the router learns what a replica holds, for its join line."""
+    if identity.events is None:
+        return "no KV events"
+    if not identity.events_up:
+        return "KV events down: routed as if it held nothing until they are ok"
+    return "KV events " + identity.events.topic
 
 
 def describe(error: Exception) -> str:
