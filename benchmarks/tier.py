@@ -12,7 +12,9 @@ measured request:
  (b) a second replica: process 1 serves the document through an empty Redis and flushes;
      process 2 serves it through Redis; compared with a fresh process without a tier.
  (c) one block: ``TierClient.fetch`` of N blocks from disk and from Redis, per block,
-     against computing a block (measured prefill seconds per token x block size).
+     against computing a block (measured prefill seconds per token x block size); and what
+     sealing costs per block (issue 22): seal and open (AES-256-GCM, ``tier.codec``) against
+     the CRC-32 the values carried before, each timed on the same payloads.
  (d) cost with no reuse: unique ~300-token prompts, 8 out, disk tier on vs off, two
      engines in one process, alternating on/off, medians.
 
@@ -242,8 +244,10 @@ def case_blocks(args) -> dict:
         "redis": time_fetch(redis_client, digests, key, args.repeats),
     }
     redis_client.close()
+    sealing = time_sealing(disk.fmt, digests, payloads, key, args.repeats)
     llm.close()
     return {
+        "sealing": sealing,
         "seconds_per_token": statistics.median(rates),
         "block_size": engine.config.block_size,
         "blocks": len(digests),
@@ -251,6 +255,33 @@ def case_blocks(args) -> dict:
         "value_bytes": value_bytes,
         "fetch": times,
     }
+
+
+def time_sealing(fmt, digests: list[bytes], payloads: list, key, repeats: int) -> dict:
+    """Median seconds per block of CRC-32 (the old check), seal and open, same payloads."""
+    import zlib
+
+    from prefixcache.tier.codec import decode_value, encode_value
+
+    plain = [bytes(payload) for payload in payloads]
+    blocks = list(enumerate(zip(digests, plain, strict=True)))
+
+    def seal_all() -> list[bytes]:
+        return [encode_value(fmt, digest, depth, body, key) for depth, (digest, body) in blocks]
+
+    stored = list(zip(digests, seal_all(), strict=True))
+    steps = {
+        "crc32": lambda: [zlib.crc32(body) for body in plain],
+        "seal": seal_all,
+        "open": lambda: [decode_value(fmt, digest, value, key) for digest, value in stored],
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(max(repeats, 5)):
+        for name, step in steps.items():  # alternating: the same machine conditions
+            start = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - start) / len(plain))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def case_overhead(args) -> dict:
@@ -474,6 +505,13 @@ def main() -> None:
             print(
                 f"  compute: prefill {blocks['seconds_per_token'] * 1e3:.3f} ms/token "
                 f"-> {compute * 1e3:7.2f} ms per block"
+            )
+            seal = blocks["sealing"]
+            print(
+                f"  sealing per block: crc32 {seal['crc32'] * 1e3:.3f} ms (before), seal "
+                f"{seal['seal'] * 1e3:.3f} ms, open {seal['open'] * 1e3:.3f} ms; open - crc32 "
+                f"= {(seal['open'] - seal['crc32']) * 1e3:+.3f} ms = "
+                f"{(seal['open'] - seal['crc32']) / compute:+.2%} of computing the block"
             )
             per_block = {}
             for name, seconds in blocks["fetch"].items():
