@@ -83,7 +83,7 @@ def check_format(fmt: BlockFormat) -> None:
 
 def encode_value(
     fmt: BlockFormat, digest: bytes, depth: int, payload: bytes | memoryview, key: SealKey
-) -> bytes:
+) -> bytearray:
     """The stored value of one block: its header, then the payload sealed under ``key``."""
     view = memoryview(payload)
     if not view.c_contiguous:
@@ -107,7 +107,10 @@ def encode_value(
             shape,
         )
     ).ljust(header_len, b"\x00")  # fmt: skip
-    return head + key.aead.encrypt(nonce, view, head)
+    value = bytearray(header_len + view.nbytes + TAG_BYTES)  # one allocation, sealed in place
+    value[:header_len] = head
+    key.aead.encrypt_into(nonce, view, head, memoryview(value)[header_len:])
+    return value
 
 
 def read_header(value: bytes | memoryview) -> ValueHeader:
