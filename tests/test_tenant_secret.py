@@ -131,3 +131,13 @@ def test_a_shared_tier_without_a_secret_is_warned_about(tmp_path: Path, capsys) 
     given = argparse.Namespace(tenant_secret_file=str(tmp_path / "s"), kv_tier=redis.kv_tier)
     assert len(tenant_secrets(disk).current) == len(tenant_secrets(given).current) == 32
     assert capsys.readouterr().err == ""
+
+
+def test_cluster_refuses_a_bad_secret_once_before_starting_any_child(tmp_path: Path) -> None:
+    path = private_file(tmp_path / "secret", "ab" * 32, 0o644)
+    argv = [sys.executable, "-m", "prefixcache.cli", "cluster", "--tenant-secret-file", str(path)]
+    argv += ["--replicas", "2", "--port", "0"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "chmod 600" in result.stderr
+    assert result.stderr.startswith(f"prefixcache cluster: tenant secret file {path}")
+    assert "replica" not in result.stdout.lower()  # nothing was started

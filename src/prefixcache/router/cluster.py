@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from prefixcache.protocol.tenant_secret import load_secrets
+
 EMBEDDED_REDIS = "redis://embedded"
 RESTART_BACKOFF_S = 2.0
 HEALTH_POLL_TIMEOUT_S = 1.0
@@ -71,6 +73,7 @@ class ClusterPlan:
     router: Child | None = None
     redis: Child | None = None
     urls: list[str] = field(default_factory=list)
+    secret_file: str = ""  # the tenant secret every child shares
 
 
 def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
@@ -110,6 +113,7 @@ def plan_cluster(args: argparse.Namespace, workdir: Path) -> ClusterPlan:
         command = _serve_command(args, port, secret, replica_tier, threads)
         plan.replicas.append(Child(f"replica-{index}", command))
     plan.router = Child("router", _route_command(args, plan.urls, secret))
+    plan.secret_file = secret
     return plan
 
 
@@ -247,6 +251,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="prefixcache-cluster-") as folder:
         plan = plan_cluster(args, Path(folder))
+        try:  # once here, not in every child: a refused file would restart them forever
+            load_secrets(plan.secret_file)
+        except ValueError as error:
+            print(f"prefixcache cluster: {error}", file=sys.stderr)
+            return 2
         print(
             f"prefixcache cluster: router on http://{args.host}:{args.port} "
             f"({args.policy}) over {len(plan.urls)} replicas: {', '.join(plan.urls)}"
