@@ -7,6 +7,7 @@ describe what ``openai_format`` writes. Nothing here validates a request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -110,7 +111,7 @@ DESCRIPTIONS = {
     413: "The body is larger than --max-body-bytes",
     429: "Too many requests in flight (server or tenant); see Retry-After",
     431: "Too many header fields, or too many header bytes",
-    503: "The server is shutting down",
+    503: "The server is shutting down, or (router) no replica could serve the request",
 }
 EVERY_ROUTE = (400, 408, 413, 431)
 SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
@@ -135,25 +136,38 @@ def responses(ok: type[BaseModel] | None, *statuses: int, stream: bool = False) 
     return declared
 
 
+def plain_text(declared: dict) -> dict:
+    """``declared`` (from ``responses``) with its 200 body as plain text (``/metrics``)."""
+    declared[200]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    return declared
+
+
 def json_body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` declaring ``model`` as the route's JSON request body."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def install(app: FastAPI, bodies: list[type[BaseModel]], model_name: str) -> None:
+def install(
+    app: FastAPI, bodies: list[type[BaseModel]], model_name: Callable[[], str | None]
+) -> None:
     """Generate ``/openapi.json`` with the request models added to its components; their
-    ``model`` is the one name this server serves (any other is a 404)."""
+    ``model`` is the one name served (any other is a 404). A router learns that name from
+    its replicas: until it knows it, ``model_name()`` is None and the schema is not kept."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
+            name = model_name()
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for model in bodies:
                 components.update(_component_schemas(model))
-                served = {"type": "string", "enum": [model_name], "title": "Model"}
-                components[model.__name__]["properties"]["model"] = served
+                if name is not None:
+                    served = {"type": "string", "enum": [name], "title": "Model"}
+                    components[model.__name__]["properties"]["model"] = served
             _drop_validation_errors(schema)
+            if name is None:
+                return schema
             app.openapi_schema = schema
         return app.openapi_schema
 
