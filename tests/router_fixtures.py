@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from engine_fixtures import random_state_dict, tiny_config
 from prefixcache.engine.model_files import load_tokenizer
+from prefixcache.protocol.front import uvicorn_config
 from prefixcache.router.app import RouterConfig, RouterState, create_router_app
 from server_fixtures import free_port
 
@@ -128,12 +129,16 @@ class ReplicaProcess:
 
 
 @contextmanager
-def serving(app) -> Iterator[str]:
-    """Serve any ASGI ``app`` on a free loopback port in a thread; yield its base URL."""
+def serving(app, read_timeout: float | None = None) -> Iterator[str]:
+    """Serve any ASGI ``app`` on a free loopback port in a thread; yield its base URL. With
+    ``read_timeout``, uvicorn is set up as ``prefixcache route`` sets it up (the front's)."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
+    options: dict = {"log_level": "warning", "lifespan": "on"}
+    if read_timeout is None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, **options)
+    else:
+        config = uvicorn_config(app, "127.0.0.1", port, read_timeout, **options)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -152,7 +157,7 @@ def serving(app) -> Iterator[str]:
 def running_router(config: RouterConfig) -> Iterator[tuple[str, RouterState]]:
     """A router on a free loopback port in a thread; yield (base URL, its state)."""
     app = create_router_app(config)
-    with serving(app) as url:
+    with serving(app, config.limits.request_read_timeout) as url:
         yield url, app.state.router
 
 

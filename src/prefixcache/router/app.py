@@ -1,8 +1,9 @@
 """The router's FastAPI app: a replica's endpoints, answered by the best replica for each request.
 
-The router checks API keys itself (the same key file as the replicas) and passes the
-``Authorization`` header through unchanged, so each replica authenticates the request
-again and derives the same tenant salt.
+It wears the replica's front (``protocol/front.py``): the same guard, limits, head deadline
+and error objects. The router checks API keys itself (the same key file as the replicas)
+and passes the ``Authorization`` header through unchanged, so each replica authenticates
+the request again and derives the same tenant salt. Its routes are in ``router/routes.py``.
 """
 
 from __future__ import annotations
@@ -14,26 +15,31 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.protocol.auth import AuthError, Tenant, Tenants
-from prefixcache.protocol.errors import ApiError, answer_api_error, internal_error
-from prefixcache.router.digests import prompt_digests
+from prefixcache.protocol import openapi
+from prefixcache.protocol.admission import InFlight
+from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.front import install_front
+from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
+from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from prefixcache.router.feed import FeedStats
-from prefixcache.router.forward import Forwarder, RouteLog
+from prefixcache.router.forward import Forwarder
 from prefixcache.router.index import GlobalIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import RoutingPolicy, make_policy
-from prefixcache.router.prompts import RoutingView, routing_view
 from prefixcache.router.replicas import (
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_HEALTH_TIMEOUT_S,
     ClusterNamespace,
     Fleet,
 )
+from prefixcache.router.routes import ROUTES, add_routes
 from prefixcache.router.routing import DEFAULT_EXPECT_GRACE_S, Router
 
 log = logging.getLogger("prefixcache.router")
@@ -53,6 +59,8 @@ class RouterConfig:
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
     expect_grace_s: float = DEFAULT_EXPECT_GRACE_S
     use_events: bool = True
+    limits: Limits = field(default_factory=Limits)  # the front's, as on a replica
+    max_pending: int = DEFAULT_MAX_PENDING
 
 
 @dataclass(slots=True)
@@ -66,6 +74,8 @@ class RouterState:
     metrics: RouterMetrics
     router: Router
     forwarder: Forwarder
+    in_flight: InFlight  # --max-pending, --max-pending-per-tenant (429)
+    views: anyio.CapacityLimiter  # bodies parsed and tokenized at once, off the event loop
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterState:
@@ -86,13 +96,15 @@ class RouterState:
         metrics = RouterMetrics(fleet)
         router = Router(fleet, index, config.policy, metrics, config.expect_grace_s)
         forwarder = Forwarder(client, router, fleet, metrics)
-        return cls(config, index, client, fleet, metrics, router, forwarder)
+        tenants = config.tenants
+        share = None if tenants.local else config.limits.tenant_share(config.max_pending)
+        in_flight = InFlight(config.max_pending, share)
+        views = anyio.CapacityLimiter(PREPARE_THREADS)
+        return cls(config, index, client, fleet, metrics, router, forwarder, in_flight, views)
 
-    def authenticate(self, request: Request) -> Tenant:
-        try:
-            return self.config.tenants.authenticate(request.headers.get("authorization"))
-        except AuthError as error:
-            raise ApiError(401, str(error)) from None
+    def model_name(self) -> str | None:
+        """The model the replicas serve; None until one has answered a health check."""
+        return None if self.fleet.namespace is None else self.fleet.namespace.model
 
     def namespace(self) -> ClusterNamespace:
         """The replicas' shared namespace; 503 (saying why) while no replica is healthy."""
@@ -152,59 +164,13 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             state.fleet.close()
             await state.client.aclose()
 
-    app = FastAPI(title="prefixcache router", lifespan=lifespan)
+    app = FastAPI(title="prefixcache router", lifespan=lifespan, redirect_slashes=False)
     app.state.router = state
-    app.add_exception_handler(ApiError, answer_api_error)
-    app.add_exception_handler(Exception, internal_error)
-    _add_routes(app, state)
+    add_routes(app, state)
+    bodies = [ChatCompletionRequest, CompletionRequest]
+    openapi.install(app, bodies, state.model_name)
+    install_front(
+        app, app.router.routes, config.tenants, ROUTES, config.limits, state.in_flight,
+        on_aborted_read=state.metrics.aborted_reads.inc,
+    )  # fmt: skip
     return app
-
-
-def _add_routes(app: FastAPI, state: RouterState) -> None:
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return state.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        state.authenticate(request)
-        state.namespace()
-        return await state.forwarder.forward(request, b"", [], False, RouteLog("models"))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _complete(state, request, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _complete(state, request, chat=False)
-
-
-async def _complete(state: RouterState, request: Request, chat: bool) -> Response:
-    """Authenticate, read what routing needs, hash the prompt, forward to the chosen replica."""
-    tenant = state.authenticate(request)
-    namespace = state.namespace()
-    raw = await request.body()
-    tokenizer = state.config.tokenizer if state.config.policy.uses_digests else None
-    view = routing_view(raw, chat, tokenizer)
-    digests = _digests(state, namespace, tenant, view)
-    tokens = None if view.token_ids is None else len(view.token_ids)
-    route = RouteLog("chat" if chat else "completions", tokens, len(digests))
-    return await state.forwarder.forward(request, raw, digests, view.stream, route)
-
-
-def _digests(
-    state: RouterState, namespace: ClusterNamespace, tenant: Tenant, view: RoutingView
-) -> list[bytes]:
-    """The prompt's block digests under the tenant's salt; none if unknown or never reusable."""
-    if view.token_ids is None or tenant.no_reuse:  # a no-reuse salt is random per request
-        return []
-    salt = state.config.tenants.cache_salt(tenant, view.cache_salt)
-    try:
-        return prompt_digests(namespace.root, namespace.block_size, view.token_ids, salt)
-    except ValueError:  # an id past uint32: the replica will refuse the request itself
-        return []

@@ -8,7 +8,7 @@ import sys
 
 from prefixcache.argtypes import positive_int
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
-from prefixcache.protocol.limits import KEEP_ALIVE_TIMEOUT
+from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
 from prefixcache.router.policy import (
     DEFAULT_BALANCE_ABS,
     DEFAULT_BALANCE_REL,
@@ -46,6 +46,7 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="the replicas' tenant secret: without it the router cannot compute their digests",
     )
+    add_limit_flags(route)
     _add_tuning(route)
 
 
@@ -108,6 +109,8 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
         tokenizer,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
+        limits=limits_from(args),
+        max_pending=args.max_pending,
     )
 
 
@@ -115,6 +118,7 @@ def run_route(args: argparse.Namespace) -> int:
     """Build the router, say how it is set up, and serve until interrupted."""
     import uvicorn
 
+    from prefixcache.protocol.front import uvicorn_config
     from prefixcache.router.app import create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -143,6 +147,6 @@ def run_route(args: argparse.Namespace) -> int:
         )
     app = create_router_app(config)
     quiet_health_checks(args.log_health_checks)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_keep_alive=KEEP_ALIVE_TIMEOUT)  # fmt: skip
+    timeout = config.limits.request_read_timeout
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, timeout, log_level="info")).run()
     return 0

@@ -5,7 +5,9 @@ client yet: the connection was refused or dropped, the replica died before answe
 it answered 429. Once a stream has started, a failure ends it with an SSE error event
 and ``[DONE]``. Every response carries ``x-prefixcache-replica``. Upstream events are
 forwarded whole (cut at a blank line), so a replica dying mid-event never leaves half an
-event before the error.
+event before the error. A request goes to the path of the route it matched, never to a
+path the client spelled (no dot segments reach a replica). Replica URLs go to the log and
+to that header, never into an error a client reads.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ HOP_BY_HOP = frozenset(
 )
 DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.5
+
+
+class _Sent(NamedTuple):
+    """What goes to each replica tried: the client's request, the route's path, the body."""
+
+    request: Request
+    path: str
+    body: bytes
+    stream: bool
 
 
 class Retry(NamedTuple):
@@ -112,6 +123,7 @@ class Forwarder:
     async def forward(
         self,
         request: Request,
+        path: str,
         body: bytes,
         digests: Sequence[bytes],
         stream: bool,
@@ -127,37 +139,34 @@ class Forwarder:
             tried.append(ticket.url)
             route.attempts = attempt + 1
             can_retry = attempt + 1 < MAX_ATTEMPTS and self._another(tried)
-            outcome = await self._attempt(ticket, request, body, stream, route, can_retry)
+            sent = _Sent(request, path, body, stream)
+            outcome = await self._attempt(ticket, sent, route, can_retry)
             if not isinstance(outcome, Retry):
                 return outcome
-            reason = f"{ticket.url}: {outcome.reason}"
-            self.metrics.retries.labels(outcome.reason.split(":")[0]).inc()
+            reason = outcome.reason
+            self.metrics.retries.labels(reason.split(":")[0]).inc()
         route.emit(None, "unavailable")
         self.metrics.requests.labels("none", route.endpoint, "503").inc()
         if reason is None:
             raise ApiError(503, self.fleet.unavailable_reason())
-        detail = f"; tried {', '.join(tried)}" if tried else ""
-        raise ApiError(503, f"no replica could serve the request ({reason}{detail})")
+        log.warning("no replica could serve a request: tried %s", ", ".join(tried))
+        message = f"no replica could serve the request ({len(tried)} tried, the last: {reason})"
+        raise ApiError(503, message)
 
     def _another(self, tried: list[str]) -> bool:
         """Is there a healthy replica this request has not been sent to?"""
         return any(r.url not in tried for r in self.fleet.healthy())
 
     async def _attempt(
-        self,
-        ticket: Ticket,
-        request: Request,
-        body: bytes,
-        stream: bool,
-        route: RouteLog,
-        can_retry: bool,
+        self, ticket: Ticket, sent: _Sent, route: RouteLog, can_retry: bool
     ) -> Response | Retry:
         """One replica: a Response for the client, or Retry if nothing was sent."""
+        request = sent.request
         upstream_request = self.client.build_request(
             request.method,
-            ticket.url + request.url.path,
+            ticket.url + sent.path,
             headers=forward_headers(request),
-            content=body,
+            content=sent.body,
         )
         try:
             upstream = await self.client.send(upstream_request, stream=True)
@@ -167,7 +176,7 @@ class Forwarder:
             await upstream.aclose()
             self.router.release(ticket, ok=False)
             return Retry("HTTP 429")
-        if stream and upstream.status_code == 200:
+        if sent.stream and upstream.status_code == 200:
             relay = self._relay(ticket, upstream, route)
             headers = response_headers(upstream, ticket.url, decoded=False)
             return StreamingResponse(relay, status_code=200, headers=headers)
@@ -221,7 +230,7 @@ class Forwarder:
             status = "failed_mid_stream"
             self._schedule_check(ticket)
             log.warning("replica %s failed mid-stream: %s", ticket.url, describe(error))
-            yield error_event(f"replica {ticket.url} failed mid-stream ({type(error).__name__})")
+            yield error_event(f"the replica failed mid-stream ({type(error).__name__})")
             yield DONE
         finally:
             self.router.release(ticket, ok=status == "200")

@@ -80,6 +80,11 @@ class RouterMetrics:
             ["source"],
             registry=self.registry,
         )
+        self.aborted_reads = Counter(
+            "prefixcache_router_aborted_reads",
+            "Requests whose client left before its body arrived (never forwarded)",
+            registry=self.registry,
+        )
         self.registry.register(FleetCollector(fleet))
 
     def render(self) -> bytes:

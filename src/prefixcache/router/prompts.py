@@ -1,22 +1,23 @@
 """What routing needs from a request body: stream or not, the client salt, the prompt's token ids.
 
-The replica is the authority on what it accepts: the router rejects only a body that is
-not JSON (400, the replica's message) and forwards anything else, so a bad field or an
-unknown model gets the replica's own error. When it can, it tokenizes the prompt exactly
-as the replica will (``server/app.py``): ``encode_chat`` of the messages' text for chat,
-``encode(prompt, add_special_tokens=True)`` or the ids as sent for text completions (the
-first prompt of a batch: the whole request goes to one replica).
+The replica is the authority on what it accepts: the router refuses only a body the
+replica's strict JSON parser refuses (``protocol/json_body.load_json``: the same 400s,
+the same messages) and forwards anything else, so a bad field or an unknown model gets the
+replica's own error. It runs on a worker thread, never on the router's event loop. When it
+can, it tokenizes the prompt exactly as the replica will (``server/prepare.py``):
+``encode_chat`` of the messages' text for chat, ``encode(prompt, add_special_tokens=True)``
+or the ids as sent for text completions (the first prompt of a batch: the whole request
+goes to one replica).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.json_body import load_json
 from prefixcache.protocol.schemas import ChatMessage
 
 
@@ -28,19 +29,10 @@ class RoutingView(NamedTuple):
     token_ids: list[int] | None
 
 
-def read_body(raw: bytes) -> Any:
-    """The JSON body; 400 (an OpenAI error) if it is not JSON."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"request body is not valid JSON: {error}") from None
-
-
 def routing_view(raw: bytes, chat: bool, tokenizer: Tokenizer | None) -> RoutingView:
-    """Stream flag, client salt and (given a tokenizer) the prompt's ids, as a replica reads."""
-    data = read_body(raw)
-    if not isinstance(data, dict):
-        return RoutingView(False, None, None)  # the replica answers with its own 400
+    """Stream flag, client salt and (given a tokenizer) the prompt's ids, as a replica reads;
+    ApiError(400) where the replica's parser would refuse the body."""
+    data = load_json(raw)
     salt = data.get("cache_salt")
     stream = data.get("stream") is True
     salt = salt if isinstance(salt, str) else None

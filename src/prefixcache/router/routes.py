@@ -1,0 +1,146 @@
+"""The router's routes: a replica's endpoints, each forwarded to the replica chosen for it.
+
+The guard (``protocol/guard.py``) has checked the key and read the body before a handler
+runs. A completion's body is parsed and tokenized on a worker thread (at most
+``PREPARE_THREADS`` at once), and its digests hashed there too, so a large prompt never
+stalls the event loop (``/health`` answers meanwhile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from prefixcache.protocol import openapi
+from prefixcache.protocol.auth import Tenant
+from prefixcache.protocol.front import get_and_head
+from prefixcache.protocol.guard import RoutePolicy, tenant_of
+from prefixcache.protocol.openapi import json_body, responses
+from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.router.digests import prompt_digests
+from prefixcache.router.forward import RouteLog
+from prefixcache.router.prompts import RoutingView, routing_view
+from prefixcache.router.replicas import ClusterNamespace
+
+if TYPE_CHECKING:
+    from prefixcache.router.app import RouterState
+
+T = TypeVar("T")
+CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+SCHEMA_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+ROUTES = RoutePolicy(
+    public=frozenset({"/health"}),
+    admin=frozenset({"/metrics", *SCHEMA_PATHS}),
+    metered=frozenset({CHAT, COMPLETIONS}),
+)
+
+
+class RouterHealth(BaseModel):
+    """The router's ``/health``: up if any replica is, and each replica's state."""
+
+    status: str
+    policy: str
+    model: str | None
+    block_size: int | None
+    namespace_digest: str | None
+    replicas: list[dict[str, Any]]
+    detail: str | None = None
+
+
+def add_routes(app: FastAPI, state: RouterState) -> None:
+    """``/health``, ``/metrics``, the models and the two completion endpoints."""
+    health_statuses = responses(RouterHealth)
+    health_statuses[503] = {"model": RouterHealth, "description": "No replica is healthy"}
+
+    @get_and_head(app, "/health", responses=health_statuses)
+    async def health() -> JSONResponse:
+        return state.health()
+
+    @get_and_head(app, "/metrics", responses=openapi.plain_text(responses(None, 401, 403)))
+    async def metrics() -> Response:
+        """Prometheus metrics; with an API key file, for admin keys only."""
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @get_and_head(app, MODELS, responses=responses(openapi.ModelList, 401, 503))
+    async def models(request: Request) -> Response:
+        return await _forward_plain(state, request, MODELS)
+
+    @get_and_head(
+        app, MODELS + "/{model_id:path}", responses=responses(openapi.ModelCard, 401, 404, 503)
+    )
+    async def model(request: Request, model_id: str) -> Response:
+        return await _forward_plain(state, request, f"{MODELS}/{path_segment(model_id)}")
+
+    _add_completions(app, state)
+
+
+def _add_completions(app: FastAPI, state: RouterState) -> None:
+    statuses = (401, 404, 429, 503)
+
+    @app.post(
+        CHAT,
+        openapi_extra=json_body(ChatCompletionRequest),
+        responses=responses(openapi.ChatCompletion, *statuses, stream=True),
+    )
+    async def chat(request: Request) -> Response:
+        return await _complete(state, request, chat=True)
+
+    @app.post(
+        COMPLETIONS,
+        openapi_extra=json_body(CompletionRequest),
+        responses=responses(openapi.Completion, *statuses, stream=True),
+    )
+    async def completions(request: Request) -> Response:
+        return await _complete(state, request, chat=False)
+
+
+def path_segment(text: str) -> str:
+    """``text`` as one path segment: every ``/`` and ``.`` escaped, so no dot segment or
+    other path reaches a replica (it decodes the segment back to ``text``)."""
+    return quote(text, safe="").replace(".", "%2E")
+
+
+async def _forward_plain(state: RouterState, request: Request, path: str) -> Response:
+    """A bodiless request, to any replica (503 while none is healthy)."""
+    state.namespace()
+    return await state.forwarder.forward(request, path, b"", [], False, RouteLog("models"))
+
+
+async def _off_loop(state: RouterState, function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` on one of the router's worker threads."""
+    return await anyio.to_thread.run_sync(function, *args, limiter=state.views)
+
+
+async def _complete(state: RouterState, request: Request, chat: bool) -> Response:
+    """Parse and tokenize off the loop, hash the prompt, forward to the chosen replica."""
+    tenant = tenant_of(request.scope)
+    raw = await request.body()
+    tokenizer = state.config.tokenizer if state.config.policy.uses_digests else None
+    view = await _off_loop(state, routing_view, raw, chat, tokenizer)
+    namespace = state.namespace()
+    digests = []
+    if view.token_ids:
+        digests = await _off_loop(state, _digests, state, namespace, tenant, view)
+    tokens = None if view.token_ids is None else len(view.token_ids)
+    route = RouteLog("chat" if chat else "completions", tokens, len(digests))
+    path = CHAT if chat else COMPLETIONS
+    return await state.forwarder.forward(request, path, raw, digests, view.stream, route)
+
+
+def _digests(
+    state: RouterState, namespace: ClusterNamespace, tenant: Tenant, view: RoutingView
+) -> list[bytes]:
+    """The prompt's block digests under the tenant's salt; none if unknown or never reusable."""
+    if view.token_ids is None or tenant.no_reuse:  # a no-reuse salt is random per request
+        return []
+    salt = state.config.tenants.cache_salt(tenant, view.cache_salt)
+    try:
+        return prompt_digests(namespace.root, namespace.block_size, view.token_ids, salt)
+    except ValueError:  # an id past uint32: the replica will refuse the request itself
+        return []
