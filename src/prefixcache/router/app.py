@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -42,7 +41,6 @@ from prefixcache.router.replicas import (
 from prefixcache.router.routes import ROUTES, add_routes
 from prefixcache.router.routing import DEFAULT_EXPECT_GRACE_S, Router
 
-log = logging.getLogger("prefixcache.router")
 CONNECT_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024
 
