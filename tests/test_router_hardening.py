@@ -5,12 +5,14 @@ over a real replica (in a thread here) on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import socket
 import statistics
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 
 import httpx
 import pytest
@@ -23,7 +25,7 @@ from prefixcache.router.app import RouterConfig
 from prefixcache.router.forward import REPLICA_HEADER
 from prefixcache.router.policy import make_policy
 from raw_http import closed_by_server, connect, exchange, head, read_reply
-from router_fixtures import running_router, serving
+from router_fixtures import running_router, serving, wait_until
 from router_process import RouterProcess
 from server_fixtures import running_server, write_key_file
 from test_router_app import BODY, FakeReplica
@@ -142,7 +144,8 @@ def _send_40_mb(url: str, framing: dict) -> tuple:
         sender.start()
         reply = read_reply(sock)
         seconds = time.perf_counter() - started
-        sock.shutdown(2)
+        with suppress(OSError):  # stop the sender (the router may have reset the connection)
+            sock.shutdown(socket.SHUT_RDWR)
         sender.join()
     return reply, seconds
 
@@ -279,3 +282,31 @@ def test_no_error_a_client_reads_names_a_replica_url(caplog) -> None:
         assert not any(replica in reply.text for replica in urls), reply.text
         assert "127.0.0.1" not in reply.text
     assert any(urls[0] in r.getMessage() for r in caplog.records)  # the log names them
+
+
+def slow_replica() -> FastAPI:
+    """A replica whose chat completions take a second."""
+    app = FakeReplica().app()
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") != CHAT]
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> dict:
+        await asyncio.sleep(1)
+        return {"answer": "slow"}
+
+    return app
+
+
+def test_past_max_pending_the_router_says_429_with_retry_after() -> None:
+    with serving(slow_replica()) as replica:
+        config = RouterConfig([replica], make_policy("round-robin"), max_pending=1)
+        with running_router(config) as (url, state):
+            held = threading.Thread(target=lambda: httpx.post(url + CHAT, json=BODY, timeout=30))
+            held.start()
+            wait_until(lambda: state.in_flight.total == 1, what="the first request in flight")
+            refused = httpx.post(url + CHAT, json=BODY, timeout=30)
+            assert httpx.get(url + "/health").status_code == 200  # not metered
+            held.join()
+            assert httpx.post(url + CHAT, json=BODY, timeout=30).status_code == 200
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "(limit 1, --max-pending)" in refused.json()["error"]["message"]
