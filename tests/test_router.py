@@ -185,8 +185,11 @@ def test_errors_models_health_and_metrics(cluster: Cluster) -> None:
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["model"] == "tiny"
         assert [r["healthy"] for r in health["replicas"]] == [True, True]
+        assert "url" not in json.dumps(health) and "127.0.0.1" not in json.dumps(health)
+        detail = client.get("/admin/replicas").json()["replicas"]  # the admin's view
+        assert [r["url"] for r in detail] == [r.url for r in cluster.replicas]
         # the replicas' /metrics need an admin key: the router shows the key file's
-        assert [r["load_error"] for r in health["replicas"]] == [None, None]
+        assert [r["load_error"] for r in detail] == [None, None]
         metrics = client.get("/metrics").text
         assert "prefixcache_router_requests_total" in metrics
         assert "prefixcache_router_replica_healthy" in metrics

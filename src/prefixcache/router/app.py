@@ -110,21 +110,26 @@ class RouterState:
             raise ApiError(503, self.fleet.unavailable_reason())
         return self.fleet.namespace
 
-    def health(self) -> JSONResponse:
-        """The router's view: up if any replica is, and every replica's state."""
-        replicas = [
-            {
-                "url": r.url,
+    def replica_states(self, with_addresses: bool) -> list[dict]:
+        """Each replica's state, by position; its URL and last errors only if asked (admin)."""
+        states = []
+        for number, r in enumerate(self.fleet.replicas.values()):
+            state = {
+                "replica": number,
                 "healthy": r.healthy,
                 "in_flight": r.in_flight,
                 "load": r.load,
                 "index_blocks": self.index.counts(r.url)._asdict(),
                 "kv_events": _feed_stats(r.feed.stats) if r.feed else None,
-                "error": r.last_error,
-                "load_error": r.load_error,
             }
-            for r in self.fleet.replicas.values()
-        ]
+            if with_addresses:
+                state.update(url=r.url, error=r.last_error, load_error=r.load_error)
+            states.append(state)
+        return states
+
+    def health(self) -> JSONResponse:
+        """The router's view, public: up if any replica is; replicas by position, no URLs."""
+        replicas = self.replica_states(with_addresses=False)
         up = bool(self.fleet.healthy())
         namespace = self.fleet.namespace
         body = {

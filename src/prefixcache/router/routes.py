@@ -36,7 +36,7 @@ CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/mode
 SCHEMA_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
-    admin=frozenset({"/metrics", *SCHEMA_PATHS}),
+    admin=frozenset({"/metrics", "/admin/replicas", *SCHEMA_PATHS}),
     metered=frozenset({CHAT, COMPLETIONS}),
 )
 
@@ -61,6 +61,11 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
     @get_and_head(app, "/health", responses=health_statuses)
     async def health() -> JSONResponse:
         return state.health()
+
+    @get_and_head(app, "/admin/replicas", responses=responses(None, 401, 403))
+    async def replicas() -> dict:
+        """Every replica's URL, state and last errors (admin key): the operator's view."""
+        return {"replicas": state.replica_states(with_addresses=True)}
 
     @get_and_head(app, "/metrics", responses=openapi.plain_text(responses(None, 401, 403)))
     async def metrics() -> Response:
