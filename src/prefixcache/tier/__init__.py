@@ -7,9 +7,11 @@ gives the ``TierClient`` the engine calls.
 
 from __future__ import annotations
 
-import re
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
+
+from redis.connection import parse_url
 
 from prefixcache.tier.base import (
     REJECT_REASONS,
@@ -44,8 +46,26 @@ __all__ = [
 
 DEFAULT_DISK_MAX_BYTES = 4 << 30
 ACCEPTED_FORMS = (
-    "disk:PATH, redis://HOST:PORT/DB, rediss://:PASSWORD@HOST:PORT/DB, redis+cluster://HOST:PORT"
+    "disk:PATH, redis://HOST:PORT/DB, redis://USER:PASSWORD@HOST:PORT/DB, "
+    "rediss://USER:PASSWORD@HOST:PORT/DB?ssl_ca_certs=CA.pem, redis+cluster://HOST:PORT"
 )
+# Query parameters of a Redis URL that redis-py's from_url passes on and the tier accepts;
+# the TLS ones only with rediss://. Any other name is refused (redis-py would fail later, on
+# every call, with an error that only the debug log shows).
+TLS_FILES = {
+    "ssl_ca_certs": "file",
+    "ssl_certfile": "file",
+    "ssl_keyfile": "file",
+    "ssl_ca_path": "folder",
+}
+TLS_QUERY = frozenset({*TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname", "ssl_password"})
+CONNECTION_QUERY = frozenset(
+    {"socket_timeout", "socket_connect_timeout", "socket_keepalive", "health_check_interval"}
+)
+SHOWN_QUERY = (TLS_QUERY | CONNECTION_QUERY) - {"ssl_password"}  # values redact() prints
+CERT_REQS = ("required", "optional", "none")
+BOOL_QUERY = frozenset({"ssl_check_hostname", "socket_keepalive"})
+BOOLS = ("true", "false", "yes", "no", "1", "0")  # redis-py reads any other word as true
 CLIENT_OPTIONS = frozenset(
     {
         "failure_threshold",
@@ -59,8 +79,33 @@ CLIENT_OPTIONS = frozenset(
 
 
 def redact(spec: str) -> str:
-    """The spec without its password, for error messages."""
-    return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", spec)
+    """The spec without its password (user info, query, a malformed port), for messages.
+
+    Everything before the last ``@`` is user info (a password may hold ``/``, ``?`` or ``@``
+    unescaped): only a user name before ``:`` is kept. Query values are shown only for the
+    names in ``SHOWN_QUERY``, and a port only if it is a number.
+    """
+    scheme, sep, rest = spec.partition("://")
+    if not sep:
+        return spec
+    userinfo, at, rest = rest.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        userinfo = f"{user}:***@" if colon else "***@"
+    cut = min((index for index in map(rest.find, "/?#") if index >= 0), default=len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    host, colon, port = authority.rpartition(":")
+    if colon and not port.isdigit() and not authority.endswith("]"):
+        authority = f"{host}:***"
+    tail, hashed, _ = tail.partition("#")
+    path, question, query = tail.partition("?")
+    pieces = []
+    for piece in query.split("&") if question else ():
+        name, equals, _ = piece.partition("=")
+        shown = unquote_plus(name) in SHOWN_QUERY
+        pieces.append(piece if shown else f"{name}=***" if equals else "***")
+    query = question + "&".join(pieces)
+    return f"{scheme}://{userinfo}{authority}{path}{query}{'#***' if hashed else ''}"
 
 
 def _bad_spec(spec: str, why: str) -> ValueError:
@@ -68,7 +113,8 @@ def _bad_spec(spec: str, why: str) -> ValueError:
 
 
 def _check_redis_url(spec: str, url: str, cluster: bool) -> None:
-    """Reject a Redis URL without a host, with a bad port, or naming a bad database."""
+    """Reject a Redis URL without a host, with a bad port, naming a bad database, or with
+    query parameters the tier does not take or values redis-py would refuse."""
     parts = urlsplit(url)
     try:
         parts.port  # noqa: B018 (raises ValueError on a bad port)
@@ -81,6 +127,34 @@ def _check_redis_url(spec: str, url: str, cluster: bool) -> None:
         raise _bad_spec(spec, f"database {db!r} is not a number")
     if cluster and db not in ("", "0"):
         raise _bad_spec(spec, "Redis Cluster has database 0 only")
+    _check_query(spec, parts.query, tls=parts.scheme == "rediss")
+    try:
+        parse_url(url)  # redis-py's own parse: a bad socket_timeout, ssl_check_hostname, ...
+    except ValueError as error:
+        raise _bad_spec(spec, str(error).rstrip(".")) from None
+
+
+def _check_query(spec: str, query: str, tls: bool) -> None:
+    """Refuse query parameters the tier does not pass on, TLS ones without rediss://, and
+    TLS files that are not there (a bare piece without ``=`` is never echoed)."""
+    accepted = CONNECTION_QUERY | TLS_QUERY if tls else CONNECTION_QUERY
+    for piece in filter(None, query.split("&")):
+        name, equals, value = (unquote_plus(part) for part in piece.partition("="))
+        if not equals:
+            raise _bad_spec(spec, "a query piece without '='")
+        if name not in accepted:
+            if name in TLS_QUERY:
+                raise _bad_spec(spec, f"{name} needs TLS: use rediss://")
+            known = ", ".join(sorted(CONNECTION_QUERY | TLS_QUERY))
+            raise _bad_spec(spec, f"unknown query parameter {name!r} (known: {known})")
+        kind = TLS_FILES.get(name)
+        there = Path(value).is_file() if kind == "file" else Path(value).is_dir()
+        if kind is not None and not there:
+            raise _bad_spec(spec, f"{name}: no such {kind} {value!r}")
+        if name in BOOL_QUERY and value.lower() not in BOOLS:
+            raise _bad_spec(spec, f"{name} {value!r} is not one of {', '.join(BOOLS)}")
+        if name == "ssl_cert_reqs" and value not in CERT_REQS:
+            raise _bad_spec(spec, f"ssl_cert_reqs {value!r} is not one of {', '.join(CERT_REQS)}")
 
 
 def _backend(spec: str, options: dict[str, Any]) -> KVTier:
