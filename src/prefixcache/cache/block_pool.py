@@ -10,6 +10,7 @@ from prefixcache.cache.index import HashIndex, PrefixIndex
 from prefixcache.cache.owner_parts import OwnerParts
 from prefixcache.cache.owners import Owners
 from prefixcache.cache.policies import EvictionPolicy, LRUPolicy
+from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats
 
 BlockListener = Callable[[Block], None]
@@ -29,6 +30,10 @@ class BlockPool:
     evicted, a held duplicate is promoted in its place, so content stays matchable while
     any copy of it is live. A freed duplicate drops its identity at once (it can never
     match, and no stale uid survives for a remembered path to trust).
+
+    Free cached blocks a client retained (``retention``) wait outside the policy until
+    their marks expire; they are evicted, earliest expiry first, only when nothing else is
+    free. Every hot path pays one attribute check while no block is retained.
     """
 
     def __init__(
@@ -38,6 +43,7 @@ class BlockPool:
         policy: EvictionPolicy | None = None,
         index: PrefixIndex | None = None,
         owners: Owners | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.empty_queue = FreeBlockQueue(self.blocks)  # free blocks holding nothing
@@ -45,6 +51,7 @@ class BlockPool:
         self.parts = OwnerParts(policy, owners, stats, num_blocks)
         self.cached: PrefixIndex = HashIndex() if index is None else index
         self.stats = stats
+        self.retention = Retention(num_blocks, stats) if retention is None else retention
         self._next_uid = ROOT_UID + 1
         self.reused: list[int] | None = None  # ids handed out, when the engine asks to know
         self.duplicates: dict[int, list[Block]] = {}  # uid -> held key-less copies of it
@@ -59,17 +66,20 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.empty_queue.size + len(self.parts)
+        return self.empty_queue.size + len(self.parts) + len(self.retention.free)
 
     def free_blocks(self) -> Iterator[Block]:
         """Every free block: the empty ones in reuse order, then each part's in its order."""
         yield from self.empty_queue
         for policy in self.parts.policies():
             yield from policy
+        yield from self.retention.free.values()
 
     def allocate(self, count: int, owner: int = 0) -> list[Block]:
         """Take ``count`` blocks for ``owner``: empty ones first, then the policy's victims."""
         assert count <= self.num_free_blocks, "allocate beyond the free blocks"
+        if self.retention.free:
+            self._make_room(count, owner)
         parts, queue = self.parts, self.empty_queue
         parts.prepare(owner)
         taken = []
@@ -92,8 +102,10 @@ class BlockPool:
             self.reused.extend([block.block_id for block in taken])
 
     def touch(self, blocks: list[Block]) -> None:
-        """Take a reference on each hit; the policy hears of them first (frees its free ones)."""
-        self.parts.touch(blocks)
+        """Take a reference on each hit; the policy hears of them first (frees its free ones).
+
+        Free retained hits leave ``retention`` instead: the policy never held them."""
+        self.parts.touch(self.retention.claim(blocks) if self.retention.free else blocks)
         for block in blocks:
             block.ref_cnt += 1
 
@@ -109,6 +121,8 @@ class BlockPool:
                     empties.append(block)
                 else:
                     cached.append(block)
+        if self.retention.marks:
+            cached = self.retention.hold(cached, empties, owner)
         for block in empties:
             if block.uid:  # a duplicate
                 self._drop_duplicate(block)
@@ -140,7 +154,7 @@ class BlockPool:
 
     def drop_all_cached(self) -> int:
         """Forget every mapping; only valid while no block is referenced."""
-        for block in self.parts.clear():
+        for block in self.parts.clear() + self.retention.clear():
             self.empty_queue.append(block)
         dropped = len(self.cached)
         for block in self.blocks:
@@ -152,6 +166,33 @@ class BlockPool:
         for listener in self.on_clear:
             listener()
         return dropped
+
+    # ------------------------------------------------------------------- retention
+    def sweep_expired(self) -> None:
+        """Free retained blocks whose marks expired go to their owner's policy, as if
+        released now (each to the owner whose release freed it)."""
+        groups: dict[int, list[Block]] = {}
+        releaser = self.retention.releaser
+        for block in self.retention.pop_expired():
+            groups.setdefault(releaser[block.block_id], []).append(block)
+        for owner, blocks in groups.items():
+            self.parts.prepare(owner)
+            self.parts.insert(blocks, owner)
+
+    def _make_room(self, count: int, owner: int) -> None:
+        """Before taking ``count`` blocks for ``owner``: sweep expired marks, then evict
+        retained blocks, earliest expiry first, for what empties and the policy lack."""
+        self.sweep_expired()
+        parts, retention = self.parts, self.retention
+        short = count - self.empty_queue.size - len(parts)
+        if short <= 0:
+            return
+        parts.prepare(owner)
+        for _ in range(short):
+            block = retention.pop_earliest()
+            self._forget(block)
+            parts.count_eviction(retention.releaser[block.block_id], owner)
+            self.empty_queue.appendleft(block)
 
     # -------------------------------------------------------------------- identity
     def _forget(self, block: Block) -> None:

@@ -7,10 +7,13 @@ from typing import TYPE_CHECKING
 
 from prefixcache.cache.blocks import check_queue
 from prefixcache.cache.common import cdiv, require
+from prefixcache.cache.retention import NO_MARK
 
 if TYPE_CHECKING:
+    from prefixcache.cache.blocks import Block
     from prefixcache.cache.manager import KVCacheManager
     from prefixcache.cache.owner_parts import OwnerParts
+    from prefixcache.cache.retention import Retention
     from prefixcache.cache.sequence import Sequence
 
 
@@ -22,12 +25,14 @@ def check(manager: KVCacheManager) -> None:
     _check_duplicates(manager)
     _check_event_counts(manager)
     _check_owners(manager, free_ids)
+    _check_retention(manager)
     for seq in manager.sequences.values():
         _check_sequence(manager, seq)
 
 
 def _check_free_queue(manager: KVCacheManager) -> set[int]:
-    """The free blocks (the empty queue and the eviction policies) are consistent, once each."""
+    """The free blocks (the empty queue, the eviction policies, retention) are consistent and
+    held once each."""
     pool = manager.pool
     free_ids = check_queue(pool.empty_queue, "empty queue")
     for block_id in free_ids:
@@ -40,6 +45,12 @@ def _check_free_queue(manager: KVCacheManager) -> set[int]:
             require(block.ref_cnt == 0, f"rule 6: {block} is in {policy.name} while in use")
             require(block.key is not None, f"{policy.name}: {block} holds nothing cached")
             free_ids.add(block.block_id)
+    for block_id, block in pool.retention.free.items():
+        require(block is pool.blocks[block_id], f"retention: {block} is filed under {block_id}")
+        require(block_id not in free_ids, f"free: {block} is held twice (once in retention)")
+        require(block.ref_cnt == 0, f"rule 6: {block} is in retention while in use")
+        require(block.key is not None, f"retention: {block} holds nothing cached")
+        free_ids.add(block_id)
     require(
         len(free_ids) == pool.num_free_blocks,
         f"free: {pool.num_free_blocks} counted, {len(free_ids)} held",
@@ -120,10 +131,11 @@ def _check_owners(manager: KVCacheManager, free_ids: set[int]) -> None:
         _check_owner_parts(parts, sum(held))
     cached = sum(1 for block_id in free_ids if pool.blocks[block_id].key is not None)
     used, empty = manager.num_blocks - len(free_ids), len(free_ids) - cached
+    retained = len(pool.retention.free)
     require(
-        used + empty + sum(held) == manager.num_blocks,
+        used + empty + sum(held) + retained == manager.num_blocks,
         f"owners: {used} used + {empty} empty + {sum(held)} held by owners "
-        f"!= {manager.num_blocks} blocks",
+        f"+ {retained} retained != {manager.num_blocks} blocks",
     )
     usage = parts.usage()
     suffered = sum(owner.evictions_suffered for owner in usage)
@@ -143,6 +155,44 @@ def _check_owner_parts(parts: OwnerParts, held: int) -> None:
             charged = parts.holder[block.block_id]
             require(charged == owner, f"owners: owner {owner} holds {block}, charged to {charged}")
     require(held == parts.num_cached_free, f"owners: {held} held, {parts.num_cached_free} counted")
+
+
+def _check_retention(manager: KVCacheManager) -> None:
+    """Marks sit on held or retained blocks, are filed under their owner, stay within each
+    owner's budget; every free retained block has a live heap entry."""
+    pool = manager.pool
+    retention = pool.retention
+    marked = {block_id for owned in retention.marks.values() for block_id in owned}
+    for block in pool.blocks:
+        block_id = block.block_id
+        has_mark = retention.expiry[block_id] != NO_MARK
+        require(has_mark == (block_id in marked), f"retention: {block}'s mark is not filed")
+        if has_mark:
+            _check_mark(retention, block)
+    for owner, owned in retention.marks.items():
+        require(owned, f"retention: an empty mark set for owner {owner!r}")
+        for block_id in owned:
+            by = retention.marked_by[block_id]
+            require(by == owner, f"retention: block {block_id} filed under {owner!r}, by {by!r}")
+    now = retention.clock()
+    for owner in retention.marks:
+        count, budget = retention.unexpired(owner, now), retention.budget(owner)
+        require(count <= budget, f"retention: {owner!r} retains {count} > budget {budget}")
+    live = {entry[2] for entry in retention.heap if retention.stamp[entry[2]] == entry[1]}
+    missing = retention.free.keys() - live
+    require(not missing, f"retention: free retained blocks {sorted(missing)} have no heap entry")
+
+
+def _check_mark(retention: Retention, block: Block) -> None:
+    """A marked block is held (a live table) or waits in retention; it holds its content.
+
+    An expired mark on a free retained block is allowed until the next allocation sweeps it.
+    """
+    block_id = block.block_id
+    free = block_id in retention.free
+    require(block.ref_cnt > 0 or free, f"retention: free {block} is marked but not retained")
+    require(block.uid != 0, f"retention: {block} is marked but holds no content")
+    require(retention.klass[block_id] is not None, f"retention: {block} is marked, no class")
 
 
 def _check_event_counts(manager: KVCacheManager) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ from prefixcache.cache.index import DEFAULT_INDEX, make_index
 from prefixcache.cache.owners import Owners, OwnerUsage
 from prefixcache.cache.path_memo import PathMemo
 from prefixcache.cache.policies import DEFAULT_POLICY, make_policy
+from prefixcache.cache.retention import DEFAULT_SHARE, Retention
 from prefixcache.cache.sequence import ChainKeys, Sequence
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.validation import (
@@ -49,6 +52,9 @@ class KVCacheManager:
     allocation, so an admission that fails changes nothing and a request never evicts
     the prefix it has just found. With ``owner_shares`` (``{}``: equal shares) the pool is
     tenant-fair: see ``OwnerParts``; without it, owners are ignored and nothing changes.
+    ``retain`` keeps a prefix past the eviction policy's order (``Retention``): each owner
+    may retain ``retention_budget`` of the pool (``retention_budgets`` per owner name);
+    ``clock`` is when marks expire (seconds; tests pass a fake one).
     """
 
     _event_sink: EventSink | None = None  # see set_event_sink
@@ -66,6 +72,9 @@ class KVCacheManager:
         eviction_policy: str = DEFAULT_POLICY,
         index: str = DEFAULT_INDEX,
         owner_shares: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        retention_budget: float = DEFAULT_SHARE,
+        retention_budgets: Mapping[str, float] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -90,6 +99,7 @@ class KVCacheManager:
             make_policy(eviction_policy, num_blocks),
             make_index(index, block_size),
             self.owners,
+            Retention(num_blocks, self.stats, clock, retention_budget, retention_budgets),
         )
         self.eviction_policy, self.index = eviction_policy, index
         self._walk = self.pool.cached.walk  # rule 4: extend hits through the index
@@ -147,6 +157,10 @@ class KVCacheManager:
         """Per owner: share, free cached blocks, evictions suffered and caused ([]: not fair)."""
         return self.pool.parts.usage()
 
+    def retained_blocks(self) -> int:
+        """Blocks retained now (marked, unexpired), held or free."""
+        return self.pool.retention.retained_blocks()
+
     def match(
         self,
         token_ids: SequenceOf[int],
@@ -189,13 +203,22 @@ class KVCacheManager:
         owner: str | None = None,
     ) -> bool:
         """Whether admitting this prompt for ``owner`` now would evict another owner's free
-        cached blocks while that owner is within its share of the pool (fair pools only)."""
+        cached blocks while that owner is within its share of the pool, or another owner's
+        retained block (fair pools only). Expired retained blocks are swept back into their
+        owners' policies first, as the allocation would (no content moves)."""
         owner_id = None if self.owners is None else self.owners.ids.get(owner)
         if owner_id is None:
             return False
         hits = self._matched_blocks(token_ids, cache_salt, None, (), True, min_hit_tokens)
-        evictions = cdiv(len(token_ids), self.block_size) - len(hits) - self.pool.empty_queue.size
-        return self.pool.parts.would_evict_protected(owner_id, evictions, hits)
+        pool = self.pool
+        evictions = cdiv(len(token_ids), self.block_size) - len(hits) - pool.empty_queue.size
+        if not pool.retention.free:
+            return pool.parts.would_evict_protected(owner_id, evictions, hits)
+        pool.sweep_expired()  # what the allocation would do first (moves no content)
+        retained = {block.block_id for block in hits} & pool.retention.free.keys()
+        unretained = [block for block in hits if block.block_id not in retained]
+        last_resort = pool.retention.last_resort(retained)
+        return pool.parts.would_evict_protected(owner_id, evictions, unretained, last_resort)
 
     def prompt_digests(
         self,
@@ -339,6 +362,34 @@ class KVCacheManager:
         seq.blocks.extend(new_blocks)
         seq.block_table.extend(block.block_id for block in new_blocks)
         return True
+
+    def retain(
+        self,
+        seq: Sequence,
+        num_tokens: int,
+        ttl_seconds: float,
+        retention_class: str = "5m",
+        owner: str | None = None,
+    ) -> int:
+        """Keep the stored full blocks of ``seq`` covering tokens [0, num_tokens) cached for
+        ``ttl_seconds`` more (an expiry is only ever extended); how many blocks are retained.
+
+        Retained free blocks are evicted only when nothing else is free, so a retention never
+        makes an admission fail. Marks past ``owner``'s budget are refused and counted
+        (``stats.retention_refused``), never an error.
+        """
+        self._check_live(seq)
+        valid = isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
+        if not valid or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        valid = isinstance(ttl_seconds, (int, float)) and not isinstance(ttl_seconds, bool)
+        if not valid or not math.isfinite(ttl_seconds) or ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be a finite number > 0, got {ttl_seconds!r}")
+        if not isinstance(retention_class, str):
+            raise ValueError(f"retention_class must be a string, got {retention_class!r}")
+        check_optional_str("owner", owner)
+        count = min(num_tokens // self.block_size, seq.num_stored_blocks)
+        return self.pool.retention.mark(seq.blocks[:count], ttl_seconds, retention_class, owner)
 
     def fork(self, seq: Sequence, request_id: str) -> Sequence:
         """A new request sharing every block of ``seq`` (copy-on-write for the tail)."""

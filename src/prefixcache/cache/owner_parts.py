@@ -11,6 +11,8 @@ from the owner whose free cached blocks most exceed its share of all of them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.owners import Owners, OwnerUsage, most_over_share
 from prefixcache.cache.policies import EvictionPolicy
@@ -100,6 +102,11 @@ class OwnerParts:
         self.owners.count_eviction(victim, cause)
         return parts[victim].pop_victim()
 
+    def count_eviction(self, victim: int, cause: int) -> None:
+        """An eviction outside the parts (a retained block): charged as ``pop_victim`` does."""
+        if self.parts is not None:
+            self.owners.count_eviction(victim, cause)
+
     def clear(self) -> list[Block]:
         """``reset``: every part hands back its blocks (the split, if any, stays)."""
         blocks = [block for part in self.policies() for block in part.clear()]
@@ -120,9 +127,13 @@ class OwnerParts:
         return self.owners.shares
 
     # ---------------------------------------------------------------------- queries
-    def would_evict_protected(self, owner: int, evictions: int, hits: list[Block]) -> bool:
-        """Whether ``evictions`` victims taken for ``owner`` (after touching ``hits``) would
-        include free cached blocks of another owner within its share of the pool.
+    def would_evict_protected(
+        self, owner: int, evictions: int, hits: list[Block], last_resort: Sequence[int] = ()
+    ) -> bool:
+        """Whether ``evictions`` victims taken for ``owner`` (after touching ``hits``, none of
+        them retained) would include free cached blocks of another owner within its share
+        of the pool, or (``last_resort``: the retained blocks' owners, in eviction order)
+        another owner's retained block.
 
         It replays the victims ``pop_victim`` would pick (``most_over_share``) on the counts.
         """
@@ -131,7 +142,10 @@ class OwnerParts:
             if block.ref_cnt == 0:
                 held[0 if self.parts is None else self.holder[block.block_id]] -= 1
         shares, pool = self.shares, self.num_blocks
-        for _ in range(max(0, evictions)):
+        from_parts = min(max(0, evictions), sum(held))
+        if any(releaser != owner for releaser in last_resort[: max(0, evictions) - from_parts]):
+            return True  # the parts run dry: another owner's retained block goes
+        for _ in range(from_parts):
             victim = 0 if self.parts is None else most_over_share(held, shares)
             if victim < 0:
                 return False  # nothing left to evict: the allocation cannot happen anyway

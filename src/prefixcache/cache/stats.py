@@ -20,6 +20,14 @@ class CacheStats:
     cow_copies: int = 0  # shared partial blocks copied before an append
     resets: int = 0  # successful reset() calls
     min_free_blocks: int = 0  # low watermark of the free queue
+    retention_refused: int = 0  # blocks a retain() left unmarked: the owner's budget was full
+    retention_expired: int = 0  # marks that ran out (noticed at a release or an allocation)
+    retention_evictions: int = 0  # retained blocks evicted before expiry: nothing else was free
+    retention_saved_hits: int = 0  # hits on a free block Retention held (a proxy: see below)
+
+    # ``retention_saved_hits`` counts hits on free blocks kept out of the policy by an
+    # unexpired mark: blocks that might have been evicted without it (a cheap proxy; the
+    # policy may have kept some anyway). Marked blocks now: ``KVCacheManager.retained_blocks``.
 
     @property
     def hit_rate(self) -> float:
