@@ -7,7 +7,9 @@ a shared block written without copy-on-write, all show up as another request's t
 The machine also subscribes to the KV events: the digests they add and remove must always
 be exactly those of the pool's indexed blocks. Requests belong to owners; the ``Fair``
 variants give the pool owner shares, and ``check_invariants`` then also proves the
-per-owner counts add up to the pool.
+per-owner counts add up to the pool. Owners also retain prefixes for a few seconds of a fake
+clock that the machine advances, so retained blocks are held, freed, hit, expired, swept and
+evicted as a last resort in every variant.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ BASES = [
 TAILS = st.lists(st.integers(0, 3), max_size=9)
 SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
 OWNERS = st.sampled_from([None, "a", "b", "c"])  # owners may share a salt (and its blocks)
+TTLS = st.sampled_from([1.0, 5.0, 30.0])  # seconds of the machine's clock
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -60,11 +63,18 @@ class CacheMachine(RuleBasedStateMachine):
             eviction_policy=self.eviction_policy,
             index=self.index,
             owner_shares=self.owner_shares,
+            clock=self._clock,
+            retention_budgets={"c": 1.0},  # the others keep the default half of the pool
         )
         self.shadow: dict[tuple[int, int], int] = {}
         self.next_id = 0
         self.event_digests: set[bytes] = set()  # what a subscriber believes is cached
         self.manager.set_event_sink(self._on_event)
+
+    now = 0.0
+
+    def _clock(self) -> float:
+        return self.now
 
     def _on_event(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
@@ -88,6 +98,7 @@ class CacheMachine(RuleBasedStateMachine):
         free_before = self.manager.num_free_blocks
         expected_hit = self.manager.match(tokens, cache_salt=salt)
         protected = self._protected_owners(tokens, salt, owner)
+        last_resorts = self.manager.stats.retention_evictions
         try:
             seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt, owner=owner)
         except CapacityError:
@@ -95,12 +106,21 @@ class CacheMachine(RuleBasedStateMachine):
             return multiple()  # nothing to add
         if seq is None:
             assert self.manager.num_free_blocks == free_before
+            # retained free blocks count as free: only a pool short of blocks refuses
+            assert cdiv(len(tokens), self.block_size) > free_before
             return multiple()
         for name, suffered in protected.items():  # the fair admission check held its word
             assert self._usage()[name].evictions_suffered == suffered, name
         assert seq.num_cached_tokens == expected_hit
         assert seq.num_cached_tokens <= len(tokens) - 1
+        self._check_last_resort(last_resorts)
         return seq
+
+    def _check_last_resort(self, before: int) -> None:
+        """Retained blocks were evicted only once nothing else was free."""
+        if self.manager.stats.retention_evictions > before:
+            pool = self.manager.pool
+            assert pool.empty_queue.size == 0 and len(pool.parts) == 0
 
     def _usage(self) -> dict:
         return {usage.name: usage for usage in self.manager.owner_usage()}
@@ -134,13 +154,57 @@ class CacheMachine(RuleBasedStateMachine):
         if seq.request_id not in self.manager.sequences:
             return
         before = (list(seq.block_table), seq.num_tokens, self.manager.num_free_blocks)
+        last_resorts = self.manager.stats.retention_evictions
         if not self.manager.append(seq, tokens):
             assert (seq.block_table, seq.num_tokens, self.manager.num_free_blocks) == before
             return
+        self._check_last_resort(last_resorts)
         for source, destination in self.manager.pop_pending_copies():
             for slot in range(self.block_size):
                 if (source, slot) in self.shadow:
                     self.shadow[(destination, slot)] = self.shadow[(source, slot)]
+
+    @rule(
+        seq=sequences,
+        num_blocks=st.integers(0, 5),
+        ttl=TTLS,
+        retention_class=st.sampled_from(["5m", "1h"]),
+        owner=OWNERS,
+    )
+    def retain(self, seq, num_blocks, ttl, retention_class, owner):
+        if seq.request_id not in self.manager.sequences:
+            return
+        stats = self.manager.stats
+        refused_before = stats.retention_refused
+        kept = self.manager.retain(
+            seq, num_blocks * self.block_size, ttl, retention_class, owner=owner
+        )
+        asked = min(num_blocks, seq.num_stored_blocks)
+        assert kept + stats.retention_refused - refused_before == asked
+        expiry = self.manager.pool.retention.expiry
+        covered = [
+            block for block in seq.blocks[:asked] if expiry[block.block_id] >= self.now + ttl
+        ]
+        assert len(covered) == kept  # each retained block lasts at least as long as asked
+
+    @rule(base=st.sampled_from(BASES), tail=TAILS, salt=SALTS, owner=OWNERS, ttl=TTLS)
+    def pin(self, base, tail, salt, owner, ttl):
+        """A whole request at once, retained before it is freed: free retained blocks."""
+        tokens = base + tail or [0]
+        if cdiv(len(tokens), self.block_size) > self.num_blocks:
+            return
+        seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt, owner=owner)
+        if seq is None:
+            return
+        for position in range(seq.num_computed_tokens, len(tokens)):
+            self.shadow[self._slot(seq, position)] = tokens[position]
+        self.manager.commit(seq, len(tokens))
+        self.manager.retain(seq, len(tokens), ttl, owner=owner)
+        self.manager.free(seq)
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 10.0, 40.0]))
+    def advance_clock(self, seconds):
+        self.now += seconds
 
     @rule(target=sequences, seq=sequences)
     def fork(self, seq):
