@@ -302,3 +302,14 @@ def test_an_owner_over_its_budget_is_named(make_manager, clock):
     with pytest.raises(AssertionError, match="'a' retains 2 > budget 0"):
         m.check_invariants()
     m.pool.retention.shares["a"] = 0.125
+
+
+def test_the_expiry_heap_stays_bounded_under_repeated_hits(make_manager, clock):
+    m = make_manager(POOL, BLOCK, clock=clock)
+    prompt = unique_prompt(2)
+    cache(m, prompt, retain=60)
+    for round_ in range(200):
+        m.free(m.admit(f"hit-{round_}", prompt + [1]))
+    retention = m.pool.retention
+    assert len(retention.free) == 2 and len(retention.heap) <= 2 * 2 + 64 + 1
+    assert m.stats.retention_saved_hits == 400

@@ -69,14 +69,16 @@ class BlockPool:
         return self.empty_queue.size + len(self.parts) + len(self.retention.free)
 
     def free_blocks(self) -> Iterator[Block]:
-        """Every free block: the empty ones in reuse order, then each part's in its order."""
+        """Every free block: the empty ones in reuse order, each part's in its order, then
+        the retained ones."""
         yield from self.empty_queue
         for policy in self.parts.policies():
             yield from policy
         yield from self.retention.free.values()
 
     def allocate(self, count: int, owner: int = 0) -> list[Block]:
-        """Take ``count`` blocks for ``owner``: empty ones first, then the policy's victims."""
+        """Take ``count`` blocks for ``owner``: empty ones first, then the policy's victims,
+        then (only if those run out) retained blocks, earliest expiry first."""
         assert count <= self.num_free_blocks, "allocate beyond the free blocks"
         if self.retention.free:
             self._make_room(count, owner)
@@ -111,7 +113,8 @@ class BlockPool:
 
     def release(self, blocks: Iterable[Block], owner: int = 0) -> None:
         """Drop a reference each; at 0, cached blocks go to ``owner``'s policy (in the order
-        given), and blocks holding nothing reusable to the head of the empty queue."""
+        given) or, while their marks last, to retention; blocks holding nothing reusable go
+        to the head of the empty queue."""
         cached = []
         empties = []
         for block in blocks:

@@ -7,6 +7,13 @@ blocks live in its own policy (``EvictionPolicy.fresh``). A free cached block be
 owner whose release dropped its refcount to 0, the last user (``holder``). A victim comes
 from the owner whose free cached blocks most exceed its share of all of them
 (``most_over_share``), in that owner's policy order.
+
+Free retained blocks (``Retention``) are outside the parts: they count toward no owner's
+free cached blocks (``OwnerUsage.cached_blocks``) and so toward no share, and are never a
+share's victims. When a mark expires the block joins the part of the owner whose release
+freed it; a retained block evicted as a last resort is charged like a victim (suffered by
+that owner, caused by the allocating one). Retention budgets bound what each owner can
+keep out of the parts.
 """
 
 from __future__ import annotations
