@@ -250,6 +250,18 @@ def test_a_folder_others_can_write_is_refused(root: Path, mode: int, wrong: str,
     tier.close()
 
 
+def test_a_shared_sticky_folder_of_another_user_is_never_chowned(tmp_path: Path):
+    shared = tmp_path / "shared"  # like /tmp for a user who is not its owner
+    shared.mkdir()
+    shared.chmod(0o1777)
+    os.chown(shared, 12345, 12345)
+    with pytest.raises(TierError) as caught:
+        DiskTier(shared, 1 << 20)
+    message = str(caught.value)
+    assert "owned by uid 12345" in message and "use a folder of its own inside it" in message
+    assert "chown" not in message and "chmod" not in message
+
+
 def test_a_symlink_as_the_folder_is_refused(root: Path, tmp_path: Path):
     real = tmp_path / "real"
     stored(real, "a")

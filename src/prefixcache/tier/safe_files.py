@@ -39,7 +39,7 @@ def owner_problem(info: os.stat_result) -> Rejected | None:
     uid = os.geteuid()
     if info.st_uid != uid:
         detail = f"owned by uid {info.st_uid}, not by this process's uid {uid}"
-        return Rejected("foreign_owner", detail)
+        return Rejected("foreign_owner", detail, info.st_mode)
     loose = info.st_mode & LOOSE_BITS
     if loose:
         who = {0o020: "group", 0o002: "others"}.get(loose, "group and others")
@@ -215,9 +215,9 @@ def problem_text(path: Path, problem: Rejected, fix_all: Path | None = None) -> 
         return f"a symbolic link to {target}; use `disk:{target}` or put a real folder there"
     if problem.reason == "not_folder":
         return f"not a folder ({detail}); move it away or choose another path"
+    if problem.mode & stat.S_ISVTX:  # a shared folder like /tmp: never chmod or chown that
+        return f"{detail}; use a folder of its own inside it, e.g. `disk:{path}/kv`"
     if problem.reason == "foreign_owner":
         return f"{detail}; run `chown -R {os.geteuid()} {fix_all or path}` or choose another path"
-    if problem.mode & stat.S_ISVTX:  # a shared folder like /tmp: never chmod that
-        return f"{detail}; use a folder of its own inside it, e.g. `disk:{path}/kv`"
     fix = f"chmod -R go-w {fix_all}" if fix_all else f"chmod 700 {path}"
     return f"{detail}; run `{fix}`"
