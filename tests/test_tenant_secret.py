@@ -141,3 +141,23 @@ def test_cluster_refuses_a_bad_secret_once_before_starting_any_child(tmp_path: P
     assert result.returncode == 2 and "chmod 600" in result.stderr
     assert result.stderr.startswith(f"prefixcache cluster: tenant secret file {path}")
     assert "replica" not in result.stdout.lower()  # nothing was started
+
+
+def test_a_tier_spec_can_come_from_the_environment(monkeypatch) -> None:
+    from prefixcache.router.cluster import TIER_ENV, plan_cluster
+    from prefixcache.server.cli import resolve_tier_spec
+
+    monkeypatch.setenv("TIER_SPEC", "redis://:pw@127.0.0.1:1/0")
+    assert resolve_tier_spec("env:TIER_SPEC") == "redis://:pw@127.0.0.1:1/0"
+    assert resolve_tier_spec("disk:/x") == "disk:/x" and resolve_tier_spec(None) is None
+    with pytest.raises(ValueError, match="environment variable NOPE is not set"):
+        resolve_tier_spec("env:NOPE")
+    args = argparse.Namespace(
+        tenant_secret_file=None, kv_tier="redis://:pw@127.0.0.1:1/0", replicas=2, threads=1,
+        model=None, api_key_file=None, kv_cache_bytes=None, host="127.0.0.1", port=0,
+        policy="cache-aware",
+    )  # fmt: skip
+    plan = plan_cluster(args, Path("/nonexistent"))
+    for replica in plan.replicas:  # the password is in the child's environment, not its argv
+        assert "pw" not in " ".join(replica.command) and f"env:{TIER_ENV}" in replica.command
+        assert replica.env == {TIER_ENV: args.kv_tier}

@@ -39,18 +39,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+TIER_ENV = "PREFIXCACHE_KV_TIER"  # the replicas read their tier spec here, not from argv
+
+
 @dataclass(slots=True)
 class Child:
     """One supervised process: its command, the process, and how often it restarted."""
 
     name: str
     command: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to ours: secrets stay off argv
     process: subprocess.Popen | None = None
     restarts: int = 0
     died_at: float | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command, start_new_session=True)
+        environment = {**os.environ, **self.env} if self.env else None
+        self.process = subprocess.Popen(self.command, env=environment, start_new_session=True)
         self.died_at = None
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -111,7 +116,8 @@ def plan_cluster(args: argparse.Namespace, workdir: Path) -> ClusterPlan:
         plan.urls.append(f"http://127.0.0.1:{port}")
         replica_tier = f"{tier}/replica-{index}" if tier and tier.startswith("disk:") else tier
         command = _serve_command(args, port, secret, replica_tier, threads)
-        plan.replicas.append(Child(f"replica-{index}", command))
+        env = {TIER_ENV: replica_tier} if replica_tier else {}  # a Redis password, if any
+        plan.replicas.append(Child(f"replica-{index}", command, env))
     plan.router = Child("router", _route_command(args, plan.urls, secret))
     plan.secret_file = secret
     return plan
@@ -130,7 +136,7 @@ def _serve_command(
     command += ["--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--threads", str(threads)]
     for flag, value in (
         ("--model", args.model),
-        ("--kv-tier", tier),
+        ("--kv-tier", f"env:{TIER_ENV}" if tier else None),
         ("--api-key-file", args.api_key_file),
         ("--kv-cache-bytes", args.kv_cache_bytes),
     ):

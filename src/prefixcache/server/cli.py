@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -115,7 +116,8 @@ def _add_tier_options(serve: argparse.ArgumentParser) -> None:
         "--kv-tier",
         metavar="SPEC",
         help="second KV tier: disk:PATH, redis://HOST:PORT/DB, rediss://:PASSWORD@HOST:PORT/DB "
-        "or redis+cluster://HOST:PORT",
+        "or redis+cluster://HOST:PORT; env:NAME reads it from environment variable NAME, so a "
+        "password stays off the command line",
     )
     serve.add_argument(
         "--kv-tier-max-bytes", type=positive_int, help="disk tier size cap (default 4 GiB)"
@@ -173,6 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
+        args.kv_tier = resolve_tier_spec(args.kv_tier)
         secrets = tenant_secrets(args)
         current, previous = secrets or (None, None)
         tenants = (
@@ -287,6 +290,17 @@ SHARED_TIER_WITHOUT_SECRET = (
     "(the tier stays cold after every restart); give every replica the same "
     "--tenant-secret-file (hex, mode 0600)"
 )
+
+
+def resolve_tier_spec(spec: str | None) -> str | None:
+    """``env:NAME`` reads the tier spec from the environment (a password stays off argv)."""
+    if spec is None or not spec.startswith("env:"):
+        return spec
+    name = spec.removeprefix("env:")
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"--kv-tier {spec}: environment variable {name} is not set")
+    return value
 
 
 def tenant_secrets(args: argparse.Namespace) -> TenantSecrets | None:
