@@ -48,18 +48,22 @@ def test_a_bad_file_names_itself_the_format_and_how_to_make_one(
     assert "does not exist" in message and "fromhex" not in message
 
 
-@pytest.mark.parametrize("command", ["serve", "route"])
-def test_the_cli_refuses_it_in_one_line_with_exit_code_2(tmp_path: Path, command: str) -> None:
-    path = private_file(tmp_path / "secret", "zz" * 32)
+def refusal(tmp_path: Path, command: str, text: str, mode: int = 0o600) -> tuple[Path, str]:
+    """A secret file of ``text`` and ``mode`` given to ``command``: its path and one-line error."""
+    path = private_file(tmp_path / "secret", text, mode)
     argv = [sys.executable, "-m", "prefixcache.cli", command, "--tenant-secret-file", str(path)]
     if command == "route":
         argv += ["--replica", "http://127.0.0.1:9", "--policy", "round-robin"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.startswith(
-        f"prefixcache {command}: tenant secret file {path}: not a hex string"
-    )
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    return path, result.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "route"])
+def test_the_cli_refuses_it_in_one_line_with_exit_code_2(tmp_path: Path, command: str) -> None:
+    path, error = refusal(tmp_path, command, "zz" * 32)
+    assert error.startswith(f"prefixcache {command}: tenant secret file {path}: not a hex string")
 
 
 @pytest.mark.parametrize(
@@ -112,12 +116,9 @@ def test_a_created_secret_is_owner_only_whatever_the_umask(tmp_path: Path) -> No
 
 
 def test_route_refuses_a_world_readable_secret_in_one_line(tmp_path: Path) -> None:
-    path = private_file(tmp_path / "secret", "ab" * 32, 0o644)
-    argv = [sys.executable, "-m", "prefixcache.cli", "route", "--tenant-secret-file", str(path)]
-    argv += ["--replica", "http://127.0.0.1:9", "--policy", "round-robin"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "chmod 600" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    path, error = refusal(tmp_path, "route", "ab" * 32, 0o644)
+    assert error.startswith(f"prefixcache route: tenant secret file {path}: group can read")
+    assert error.rstrip().endswith(f"Run: chmod 600 {path}")
 
 
 def test_a_shared_tier_without_a_secret_is_warned_about(tmp_path: Path, capsys) -> None:
