@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
@@ -37,6 +36,7 @@ from prefixcache.cache.validation import (
     check_mm_items,
     check_optional_str,
     check_prompt,
+    check_retention,
     check_token_ids,
 )
 
@@ -379,14 +379,7 @@ class KVCacheManager:
         (``stats.retention_refused``), never an error.
         """
         self._check_live(seq)
-        valid = isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
-        if not valid or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        valid = isinstance(ttl_seconds, (int, float)) and not isinstance(ttl_seconds, bool)
-        if not valid or not math.isfinite(ttl_seconds) or ttl_seconds <= 0:
-            raise ValueError(f"ttl_seconds must be a finite number > 0, got {ttl_seconds!r}")
-        if not isinstance(retention_class, str):
-            raise ValueError(f"retention_class must be a string, got {retention_class!r}")
+        check_retention(num_tokens, ttl_seconds, retention_class)
         check_optional_str("owner", owner)
         count = min(num_tokens // self.block_size, seq.num_stored_blocks)
         return self.pool.retention.mark(seq.blocks[:count], ttl_seconds, retention_class, owner)

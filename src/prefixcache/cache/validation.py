@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from prefixcache.cache.common import cdiv
@@ -65,3 +66,14 @@ def check_fits(num_tokens: int, block_size: int, total: int, num_generated: int 
             f"the prompt has {num_tokens} tokens and needs {needed} KV blocks; the pool has "
             f"{total} blocks ({total * block_size} tokens at block size {block_size}{room})"
         )
+
+
+def check_retention(num_tokens: object, ttl_seconds: object, retention_class: object) -> None:
+    """``retain``'s arguments: tokens an int >= 0, a finite ttl > 0, a class name."""
+    if type(num_tokens) is not int or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    valid = isinstance(ttl_seconds, (int, float)) and not isinstance(ttl_seconds, bool)
+    if not valid or not math.isfinite(ttl_seconds) or ttl_seconds <= 0:
+        raise ValueError(f"ttl_seconds must be a finite number > 0, got {ttl_seconds!r}")
+    if not isinstance(retention_class, str):
+        raise ValueError(f"retention_class must be a string, got {retention_class!r}")
