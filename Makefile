@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve cluster test bench lab lint format clean
+.PHONY: serve cluster test test-quick bench lab lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ cluster: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# The inner loop (under 90 s here): cache core, protocol, simulator, tier codec and stores,
+# small-engine tests. `make test` runs everything, these included; CI runs `make test`.
+test-quick: $(STAMP)
+	$(BIN)/pytest -m quick
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allocator.py

@@ -44,3 +44,28 @@ def admit_computed(manager: KVCacheManager, request_id: str, tokens: list[int], 
     assert seq is not None, f"{request_id} did not fit"
     manager.commit(seq, len(tokens))
     return seq
+
+
+# The inner loop's subset (`make test-quick`): the cache core, the protocol, the simulator, the
+# tier's codec and stores, and the small-engine tests; no real model, no subprocess server,
+# cluster, fuzzer or soak, and not the long property runs (state machines, radix and event
+# differentials). `make test` (CI) runs everything, these included.
+QUICK_FILES = frozenset(
+    {
+        "test_block_pool.py", "test_explain.py", "test_fair_admission.py",
+        "test_fair_cache.py", "test_hashing.py", "test_kv_events.py", "test_lab.py",
+        "test_manager.py", "test_retention.py", "test_router_index.py",
+        "test_router_policy.py", "test_rule_citations.py", "test_rules.py", "test_sampling.py",
+        "test_scheduler.py", "test_sim_cluster.py", "test_sim_fairness.py",
+        "test_sim_recommend.py", "test_sim_replay.py", "test_sim_traces.py",
+        "test_synth_trace.py", "test_tier_client.py", "test_tier_codec.py", "test_tier_disk.py",
+        "test_tier_disk_hostile.py", "test_tier_redis.py", "test_engine.py",
+    }
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests of ``QUICK_FILES`` ``quick``: the list lives here, in one place."""
+    for item in items:
+        if item.path.name in QUICK_FILES:
+            item.add_marker(pytest.mark.quick)
