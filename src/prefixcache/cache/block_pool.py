@@ -107,7 +107,10 @@ class BlockPool:
         """Take a reference on each hit; the policy hears of them first (frees its free ones).
 
         Free retained hits leave ``retention`` instead: the policy never held them."""
-        self.parts.touch(self.retention.claim(blocks) if self.retention.free else blocks)
+        if not self.retention.free:
+            self.parts.acquire(blocks)  # one pass in the LRU policy: the hot path
+            return
+        self.parts.touch(self.retention.claim(blocks))
         for block in blocks:
             block.ref_cnt += 1
 
@@ -115,24 +118,28 @@ class BlockPool:
         """Drop a reference each; at 0, cached blocks go to ``owner``'s policy (in the order
         given) or, while their marks last, to retention; blocks holding nothing reusable go
         to the head of the empty queue."""
-        cached = []
-        empties = []
-        for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.key is None:
-                    empties.append(block)
-                else:
-                    cached.append(block)
         if self.retention.marks:
-            cached = self.retention.hold(cached, empties, owner)
+            empties = self._release_marked(blocks, owner)
+        else:  # one pass in the LRU policy while one owner is alone: the hot path
+            empties = self.parts.release_refs(blocks, owner)
         for block in empties:
             if block.uid:  # a duplicate
                 self._drop_duplicate(block)
             self.empty_queue.appendleft(block)
+
+    def _release_marked(self, blocks: Iterable[Block], owner: int) -> list[Block]:
+        """``release`` while marks exist: unexpired marked blocks wait in retention, the
+        other cached ones go to ``owner``'s policy; returns the ones holding nothing."""
+        cached, empties = [], []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (empties if block.key is None else cached).append(block)
+        cached = self.retention.hold(cached, empties, owner)
+        self.parts.prepare(owner)
         if cached:
-            self.parts.prepare(owner)
             self.parts.insert(cached, owner)
+        return empties
 
     def store(self, block: Block, key: tuple, digest: bytes) -> int:
         """Record held ``block`` as holding ``key``; a duplicate takes the indexed copy's uid."""

@@ -18,7 +18,7 @@ keep out of the parts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.owners import Owners, OwnerUsage, most_over_share
@@ -67,6 +67,30 @@ class OwnerParts:
             holder = self.holder
             for block in blocks:
                 holder[block.block_id] = owner
+
+    def acquire(self, blocks: list[Block]) -> None:
+        """A reference on each hit, its policy told first (one call while unsplit)."""
+        if self.parts is None:
+            self.policy.acquire(blocks)
+            return
+        self.touch(blocks)
+        for block in blocks:
+            block.ref_cnt += 1
+
+    def release_refs(self, blocks: Iterable[Block], owner: int) -> list[Block]:
+        """Drop a reference each; cached ones at 0 become ``owner``'s (in order); returns
+        the ones at 0 holding nothing. One call into the policy while one owner is alone."""
+        if self.parts is None and not owner:
+            return self.policy.release_refs(blocks)
+        cached, empties = [], []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (empties if block.key is None else cached).append(block)
+        self.prepare(owner)
+        if cached:
+            self.insert(cached, owner)
+        return empties
 
     def touch(self, blocks: list[Block]) -> None:
         """Hits, before their refcounts rise: the policy each is charged to hears of it."""

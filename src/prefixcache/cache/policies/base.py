@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prefixcache.cache.blocks import Block
 
@@ -32,6 +32,26 @@ class EvictionPolicy:
 
     def clear(self) -> list[Block]:
         raise NotImplementedError
+
+    def acquire(self, blocks: list[Block]) -> None:
+        """A reference on each block (hits, a fork): ``touch``, then the refcounts rise.
+
+        One pass in ``LRUPolicy``: this is the hot path of every hit."""
+        self.touch(blocks)
+        for block in blocks:
+            block.ref_cnt += 1
+
+    def release_refs(self, blocks: Iterable[Block]) -> list[Block]:
+        """Drop a reference on each; cached ones reaching 0 are ``insert``ed in the order
+        given; returns those reaching 0 that hold nothing (for the pool's empty queue)."""
+        cached, empties = [], []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (empties if block.key is None else cached).append(block)
+        if cached:
+            self.insert(cached)
+        return empties
 
     def fresh(self) -> EvictionPolicy:
         """An empty policy of the same kind and size: another owner's part of a fair pool."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prefixcache.cache.blocks import Block, FreeBlockQueue, check_queue
 from prefixcache.cache.policies.base import EvictionPolicy
@@ -31,6 +31,42 @@ class LRUPolicy(EvictionPolicy):
                 block.prev_free = block.next_free = None
                 unlinked += 1
         self.queue.size -= unlinked
+
+    def acquire(self, blocks: list[Block]) -> None:
+        """A reference on each; free ones leave the queue (one pass, inlined)."""
+        unlinked = 0
+        for block in blocks:
+            if block.ref_cnt:
+                block.ref_cnt += 1
+            else:
+                prev, nxt = block.prev_free, block.next_free
+                prev.next_free, nxt.prev_free = nxt, prev
+                block.prev_free = block.next_free = None
+                block.ref_cnt = 1
+                unlinked += 1
+        self.queue.size -= unlinked
+
+    def release_refs(self, blocks: Iterable[Block]) -> list[Block]:
+        """Drop a reference each; cached ones at 0 are spliced onto the tail as one run, in
+        the order given (one pass); returns the ones at 0 holding nothing."""
+        queue = self.queue
+        tail = queue.tail
+        last = tail.prev_free
+        linked = 0
+        empties = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    empties.append(block)
+                else:
+                    block.prev_free = last
+                    last.next_free = last = block
+                    linked += 1
+        last.next_free = tail
+        tail.prev_free = last
+        queue.size += linked
+        return empties
 
     def insert(self, blocks: list[Block]) -> None:
         """Splice them onto the tail as one run, in the order given."""
