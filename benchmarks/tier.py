@@ -42,6 +42,7 @@ from pathlib import Path
 from servers import free_port
 
 RESULT = "RESULT "
+SECRET_ENV = "PREFIXCACHE_BENCH_SECRET"  # the run's tenant secret file, for every process
 REQUEST_IDS = itertools.count()
 BLOCK_DOC_TOKENS = 540
 QUESTIONS = (
@@ -148,6 +149,15 @@ def warm_up(engine, seed: int = 9, use_tier: bool = False) -> None:
     serve(engine, [plain_prompt(engine.tokenizer, seed, 96)], max_tokens=4, use_tier=use_tier)
 
 
+def run_keys(args):
+    """The sealing keys every process of this run shares (one tenant secret, as replicas do)."""
+    from prefixcache.protocol.tenant_secret import load_or_create_secret
+    from prefixcache.tier.seal import TierKeys
+
+    path = os.environ.get(SECRET_ENV)
+    return TierKeys(load_or_create_secret(path)) if path else None
+
+
 def tier_spec(value: str) -> str | None:
     return None if value == "none" else value
 
@@ -156,7 +166,7 @@ def case_ttft(args) -> dict:
     """A fresh engine (tier or not), warmed up; TTFT of the one document request."""
     from prefixcache import LLM
 
-    llm = LLM(kv_tier=tier_spec(args.tier))
+    llm = LLM(kv_tier=tier_spec(args.tier), tier_keys=run_keys(args))
     engine = llm.engine
     warm_up(engine)
     prompt = document_prompt(llm.tokenizer, args.question)
@@ -468,6 +478,7 @@ def main() -> None:
     print(f"tier benchmark, default model, {torch.get_num_threads()} threads", flush=True)
     with tempfile.TemporaryDirectory(prefix="tier-bench-") as folder:
         work = Path(folder)
+        os.environ[SECRET_ENV] = str(work / "tenant-secret")  # inherited by every case
         (work / "redis").mkdir()
         server = RedisServer(work / "redis")
         try:

@@ -170,3 +170,16 @@ def fresh_disk(spec: str):
     stats = engine.tier.client.stats
     engine.close()
     return output, {**stats.rejected, **stats.rejected_files}
+
+
+def test_an_engine_without_keys_keeps_its_disk_tier_secret_beside_it(tmp_path: Path):
+    spec = f"disk:{tmp_path / 'tier'}"
+    first = tiny_engine(kv_tier=spec, tier_keys=None)
+    ask(first, DOCUMENT)
+    finish(first)
+    first.close()
+    secret = tmp_path / "tier" / "tenant-secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    again = tiny_engine(kv_tier=spec, tier_keys=None)  # a restart: the same secret, warm
+    assert ask(again, DOCUMENT).num_tier_tokens == 40
+    again.close()

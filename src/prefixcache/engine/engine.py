@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -39,6 +40,7 @@ from prefixcache.engine.stopping import (
 )
 from prefixcache.engine.tier_link import TierLink, block_format
 from prefixcache.engine.weights import LoadedModel
+from prefixcache.protocol.tenant_secret import load_secrets
 from prefixcache.tier import open_tier
 from prefixcache.tier.seal import TierKeys
 
@@ -160,12 +162,7 @@ class LLMEngine:
             {} if config.kv_tier_max_bytes is None else {"max_bytes": config.kv_tier_max_bytes}
         )
         client = open_tier(config.kv_tier, block_format(self.manager, self.kv_store), **options)
-        if config.tier_keys is None:
-            log.warning(
-                "KV tier values are sealed with a key of this process only: no other process "
-                "opens them (give the engine tier_keys, the server --tenant-secret-file)"
-            )
-        keys = config.tier_keys or TierKeys.ephemeral()
+        keys = config.tier_keys or default_tier_keys(config.kv_tier)
         waits = (config.kv_tier_min_wait, config.kv_tier_max_wait)
         return TierLink(client, keys, self.manager, self.kv_store, *waits)
 
@@ -474,3 +471,15 @@ class LLMEngine:
         request.metrics.finished_time = time.perf_counter()
         for hook in self.on_retired:
             hook(request)
+
+
+def default_tier_keys(spec: str) -> TierKeys:
+    """Keys when none are given: a disk tier keeps its secret beside it (as ``serve`` does),
+    so a restart opens its own values; any other tier gets keys of this process only."""
+    if spec.startswith("disk:"):
+        return TierKeys(*load_secrets(Path(spec.removeprefix("disk:")) / "tenant-secret"))
+    log.warning(
+        "KV tier values are sealed with a key of this process only: no other process opens "
+        "them (give the engine tier_keys, the server --tenant-secret-file)"
+    )
+    return TierKeys.ephemeral()
