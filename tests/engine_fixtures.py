@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hf_fixtures import transformers_gguf_once
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.weights import LoadedModel, load_model
@@ -22,13 +23,15 @@ def default_model() -> LoadedModel:
 @cache
 def default_reference() -> torch.nn.Module:
     """transformers' own model of the default GGUF, dequantized to float32, loaded once per
-    session (its GGUF loader takes ~20 s): the reference the exactness tests compare with."""
+    session (its GGUF loader takes ~20 s, ~7 s without its repeated work: hf_fixtures.py):
+    the reference the exactness tests compare with."""
     from transformers import AutoModelForCausalLM
 
     path = default_model().source
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    with transformers_gguf_once():
+        reference = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return reference.eval()
 
 

@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import pre_tokenizers
 
+from hf_fixtures import transformers_gguf_once
 from prefixcache.engine.model_files import default_model_path, load_tokenizer
 from prefixcache.engine.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -165,7 +166,10 @@ def hf() -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     path = default_model_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    with transformers_gguf_once():  # the GGUF parsed once per session (hf_fixtures.py)
+        return AutoTokenizer.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
 
 
 @pytest.fixture(scope="module")

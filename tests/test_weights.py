@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine_fixtures import default_model
+from hf_fixtures import gguf_reader
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.model_files import ModelFileError, default_model_path
 from prefixcache.engine.weights import LoadedModel, expected_shapes, load_model, unpermute_qk
@@ -30,13 +32,17 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(gguf_path: Path) -> LoadedModel:
-    return load_model(str(gguf_path))
+    """The default GGUF as ``load_model`` reads it (loaded once per session)."""
+    model = default_model()
+    assert model.source == gguf_path
+    return model
 
 
 @pytest.fixture(scope="module")
 def reader(gguf_path: Path) -> gguf.GGUFReader:
-    """The file read with the gguf package directly, independently of our loader."""
-    return gguf.GGUFReader(gguf_path)
+    """The file read with the gguf package directly, independently of our loader (its reader
+    is shared with transformers' loading of the references: hf_fixtures.py)."""
+    return gguf_reader(gguf_path)
 
 
 @pytest.fixture(scope="module")
