@@ -18,7 +18,8 @@ from server_fixtures import running_server, wait_idle, write_key_file
 ADMIN = {"authorization": "Bearer sk-alpha"}
 EXAMPLES = 30  # per operation and mode, as for the replica: the file takes about 25 s here
 OPERATIONS = {
-    "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
+    "GET /admin/replicas", "GET /health", "GET /metrics", "GET /v1/models",
+    "GET /v1/models/{model_id}",
     "POST /v1/chat/completions", "POST /v1/completions",
 }  # fmt: skip
 
