@@ -21,6 +21,24 @@ def default_model() -> LoadedModel:
 
 
 @cache
+def _shared_default_engine(quantized: bool, caching: bool) -> LLMEngine:
+    config = EngineConfig(
+        num_kv_blocks=256, quantized_weights=quantized, enable_prefix_caching=caching
+    )
+    return LLMEngine(default_model(), config)
+
+
+def default_engine(quantized: bool = True, caching: bool = True) -> LLMEngine:
+    """An engine on the real default model, built once per session for each kind (a build
+    copies the weights and packs them to int4: seconds), handed out as new: no request, every
+    block free, nothing cached. Its stats count on: compare them before and after."""
+    engine = _shared_default_engine(quantized, caching)
+    assert_pool_clean(engine)
+    engine.manager.reset()
+    return engine
+
+
+@cache
 def default_reference() -> torch.nn.Module:
     """transformers' own model of the default GGUF, dequantized to float32, loaded once per
     session (its GGUF loader takes ~20 s, ~7 s without its repeated work: hf_fixtures.py):

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from engine_fixtures import assert_pool_clean, default_model, default_reference
+from engine_fixtures import assert_pool_clean, default_engine, default_model, default_reference
 from prefixcache import LLM, SamplingParams
-from prefixcache.engine.engine import EngineConfig, LLMEngine
+from prefixcache.engine.model_files import default_model_path
+from prefixcache.engine.weights import LoadedModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(num_kv_blocks=512)
+def llm() -> Iterator[LLM]:
+    """``LLM()`` on the default model, whose loaded weights the session already holds."""
+    loads = []
+
+    def load_model(path: str | None = None) -> LoadedModel:
+        loads.append(path)
+        return default_model()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("prefixcache.engine.llm.load_model", load_model)
+        llm = LLM(num_kv_blocks=512)
+    assert loads == [None] and default_model().source == default_model_path()
+    yield llm
 
 
 def test_greedy_completion_knows_paris(llm):
@@ -51,7 +65,7 @@ def test_logits_match_transformers_on_the_same_gguf():
     """The dequantized path is exact (the int4 default: tests/test_quantized.py)."""
     reference = default_reference()
     loaded = default_model()
-    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, quantized_weights=False))
+    engine = default_engine(quantized=False)
     prompt = loaded.tokenizer.encode("Paged attention reads keys through block tables.")
     with torch.inference_mode():
         expected = reference(torch.tensor([prompt])).logits[0, -1]

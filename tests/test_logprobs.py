@@ -160,12 +160,11 @@ def test_logprob_limits_are_named(served):
 
 def test_prompt_logprobs_match_transformers_on_the_default_model():
     """Within 1e-4 nats per token, float32 on both sides (measured: 0.0, bit-identical)."""
-    from engine_fixtures import default_model, default_reference
-    from prefixcache.engine.engine import EngineConfig, LLMEngine
+    from engine_fixtures import default_engine, default_model, default_reference
 
     loaded = default_model()
     # The dequantized weights: the int4 default is not bit-exact (tests/test_quantized.py).
-    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, quantized_weights=False))
+    engine = default_engine(quantized=False)
     prompt = loaded.tokenizer.encode("Paged attention reads keys and values through block tables.")
     ours = _prompt_logprobs(engine, prompt, k=5).prompt_logprobs
     reference = default_reference()

@@ -13,9 +13,15 @@ import pytest
 import torch
 import transformers
 
-from engine_fixtures import default_model, default_reference, run_to_completion
+from engine_fixtures import (
+    assert_pool_clean,
+    default_engine,
+    default_model,
+    default_reference,
+    run_to_completion,
+)
 from prefixcache.engine import quant
-from prefixcache.engine.engine import EngineConfig, LLMEngine
+from prefixcache.engine.engine import EngineConfig
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.model import LlamaModel
 from prefixcache.engine.quant import Int4Linear, Q4Blocks
@@ -150,11 +156,12 @@ def test_the_head_is_exact_where_the_argmax_can_be() -> None:
 
 
 def test_the_default_model_runs_every_layer_weight_in_int4() -> None:
-    engine = LLMEngine(default_model(), EngineConfig(num_kv_blocks=16))
+    engine = default_engine()
+    assert EngineConfig().quantized_weights  # int4 is the default: the engine above has it
     assert len(engine.int4_weights) == 7 * engine.model_config.num_layers + 1  # and the head
     assert all(isinstance(layer.gate_up, Int4Linear) for layer in engine.model.layers)
     assert isinstance(engine.model.head, Int4Head)
-    dense = LLMEngine(default_model(), EngineConfig(num_kv_blocks=16, quantized_weights=False))
+    dense = default_engine(quantized=False)
     assert not dense.int4_weights
     assert dense.manager.root_digest != engine.manager.root_digest  # other KV values
 
@@ -185,7 +192,7 @@ def test_chunks_and_decodes_match_the_dequantized_reference(qpair: Pair) -> None
 def test_real_gguf_logits_near_transformers() -> None:
     loaded = default_model()
     reference = default_reference()
-    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
+    engine = default_engine()
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt)
         with torch.inference_mode():
@@ -199,6 +206,7 @@ def test_real_gguf_logits_near_transformers() -> None:
         logprobs = torch.log_softmax(logits, -1) - torch.log_softmax(expected, -1)
         assert logprobs[top].abs().max() < REAL_TOP_LOGPROB, prompt
         assert logits.argmax() == expected.argmax(), prompt
+    assert_pool_clean(engine)
 
 
 # --- caching on and off ---------------------------------------------------------------------
@@ -212,12 +220,14 @@ def test_caching_on_and_off_give_the_same_tokens_on_the_real_model() -> None:
     prompts = [document + [int(t) for t in rng.integers(1000, 40000, 12)] for _ in range(6)]
     tokens = {}
     for caching in (True, False):
-        engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=256, enable_prefix_caching=caching))
+        engine = default_engine(caching=caching)
+        hits_before = engine.manager.stats.hits
         finals = {}
         for i, prompt in enumerate(prompts):  # the first two together, then one at a time
             engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
             if i:
                 finals.update(run_to_completion(engine))
         tokens[caching] = {k: v.token_ids for k, v in finals.items()}
-        assert (engine.manager.stats.hits > 0) == caching
+        assert (engine.manager.stats.hits > hits_before) == caching
+        assert_pool_clean(engine)
     assert tokens[True] == tokens[False]
