@@ -10,6 +10,8 @@ import torch
 from hf_fixtures import transformers_gguf_once
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.engine import EngineConfig, LLMEngine
+from prefixcache.engine.model_files import load_tokenizer
+from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weights import LoadedModel, load_model
 from prefixcache.tier.seal import TierKeys
 
@@ -18,6 +20,12 @@ from prefixcache.tier.seal import TierKeys
 def default_model() -> LoadedModel:
     """The real default model, loaded once per test session."""
     return load_model()
+
+
+@cache
+def default_tokenizer() -> Tokenizer:
+    """The default model's tokenizer alone, once per session: no weights are read."""
+    return load_tokenizer()
 
 
 @cache
@@ -96,7 +104,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
 
 def tiny_model() -> LoadedModel:
     """A 2-layer random model that speaks the default model's tokenizer."""
-    tokenizer = default_model().tokenizer
+    tokenizer = default_tokenizer()
     config = tiny_config(tokenizer.vocab_size, tokenizer.eos_token_ids)
     return LoadedModel(config, random_state_dict(config), tokenizer, Path("tiny-random"))
 

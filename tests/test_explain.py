@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine_fixtures import default_model
+from engine_fixtures import default_tokenizer
 from prefixcache.cli import main
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.tools import explain
@@ -21,7 +21,7 @@ SECRET = "Quartz falcon ledger: the vault opens on Thursdays at noon."
 def shared_tokenizer(monkeypatch):
     """The session's tokenizer instead of re-reading the GGUF for every call."""
     monkeypatch.setattr(
-        "prefixcache.engine.model_files.load_tokenizer", lambda _=None: default_model().tokenizer
+        "prefixcache.engine.model_files.load_tokenizer", lambda _=None: default_tokenizer()
     )
 
 
@@ -100,7 +100,7 @@ def test_changed_message_and_prompt_vs_chat(tmp_path, capsys):
 
 
 def test_a_template_that_renders_equal_messages_differently_is_named():
-    real = default_model().tokenizer
+    real = default_tokenizer()
     template = (
         "{{ messages | length }} turns\n"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

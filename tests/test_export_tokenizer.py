@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from engine_fixtures import default_model
+from engine_fixtures import default_tokenizer
 from prefixcache.cli import main
 
 TEXTS = [
@@ -18,7 +18,7 @@ def test_exported_tokenizer_gives_the_servers_ids(tmp_path, capsys):
     assert main(["export-tokenizer", str(tmp_path / "tok")]) == 0
     assert "tokenizer.json" in capsys.readouterr().out
     exported = AutoTokenizer.from_pretrained(tmp_path / "tok")
-    ours = default_model().tokenizer
+    ours = default_tokenizer()
     for text in TEXTS:
         assert exported.encode(text) == ours.encode(text, add_special_tokens=True)
         ids = ours.encode(text)
@@ -30,6 +30,6 @@ def test_exported_tokenizer_gives_the_servers_ids(tmp_path, capsys):
 
 
 def test_token_bytes_are_exact_even_for_half_characters():
-    tokenizer = default_model().tokenizer
+    tokenizer = default_tokenizer()
     ids = tokenizer.encode("naïve 日本語 ✓")
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == "naïve 日本語 ✓".encode()

@@ -19,7 +19,7 @@ import anyio
 import httpx
 import pytest
 
-from engine_fixtures import assert_pool_clean, default_model, tiny_engine
+from engine_fixtures import assert_pool_clean, default_tokenizer, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
 from prefixcache.server.prepare import PrepareContext
@@ -104,7 +104,7 @@ def _dies_in_a_worker(raw: bytes, ctx: PrepareContext) -> SimpleNamespace:
 
 
 def test_a_worker_dying_mid_preparation_hands_the_body_to_a_thread():
-    tokenizer = default_model().tokenizer
+    tokenizer = default_tokenizer()
     ctx = PrepareContext(tokenizer, "tiny", 512, tokenizer.vocab_size, 40_000)
     pool = PreparePool(2)
     try:
@@ -155,7 +155,7 @@ def test_what_crosses_the_process_boundary_pickles_whole():
     assert (error.status, error.message, error.param, error.headers) == (
         429, "slow down", "n", {"Retry-After": "1"},
     )  # fmt: skip
-    tokenizer = default_model().tokenizer
+    tokenizer = default_tokenizer()
     messages = [{"role": "user", "content": "Paged attention, block tables."}]
     expected = tokenizer.encode_chat(messages)  # compiles the template: not pickled
     copy = pickle.loads(pickle.dumps(tokenizer))
