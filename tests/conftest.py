@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,15 @@ settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+# One torch thread per test process (an OMP_NUM_THREADS already set wins), and for the
+# processes the tests start. The suite's models are tiny or serve one request at a time: a
+# second intra-op thread buys them little, and while anything else runs on the machine, the
+# OpenMP threads spinning for their turn make every op several times slower (measured on 2
+# cores beside other jobs: the real-model files 170 s with 2 threads, 49 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file: too late for the variable
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
