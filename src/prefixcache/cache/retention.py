@@ -20,12 +20,21 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.stats import CacheStats
 
 NO_MARK = -math.inf  # the expiry of a block nobody retains
 DEFAULT_SHARE = 0.5  # of the pool, per owner, unless its name is listed
+
+
+class Keep(NamedTuple):
+    """A client's ask: keep the prompt's first ``num_tokens`` cached ``ttl_seconds`` more."""
+
+    num_tokens: int
+    ttl_seconds: float
+    retention_class: str = "5m"
 
 
 def check_share(name: str, share: object) -> float:

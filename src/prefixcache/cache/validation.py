@@ -77,3 +77,19 @@ def check_retention(num_tokens: object, ttl_seconds: object, retention_class: ob
         raise ValueError(f"ttl_seconds must be a finite number > 0, got {ttl_seconds!r}")
     if not isinstance(retention_class, str):
         raise ValueError(f"retention_class must be a string, got {retention_class!r}")
+
+
+MAX_KEEPS = 8  # retention marks per request (Anthropic allows 4 breakpoints, OpenAI one)
+
+
+def check_keeps(keeps: object, prompt_len: int) -> tuple:
+    """A request's retention asks: at most MAX_KEEPS, each valid and within the prompt."""
+    if not isinstance(keeps, (tuple, list)) or len(keeps) > MAX_KEEPS:
+        raise ValueError(f"retention must be a list of at most {MAX_KEEPS} keeps, got {keeps!r}")
+    for keep in keeps:
+        check_retention(*keep)
+        if keep[0] > prompt_len:
+            raise ValueError(
+                f"retention num_tokens {keep[0]} is past the prompt's {prompt_len} tokens"
+            )
+    return tuple(keeps)

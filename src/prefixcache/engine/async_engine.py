@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
+from prefixcache.cache.retention import Keep
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
@@ -31,6 +32,7 @@ class AddRequest:
     use_tier: bool = True
     owner: str | None = None
     previous_cache_salt: str | None = None
+    retention: tuple[Keep, ...] = ()  # prompt prefixes to keep cached (cache controls)
 
 
 @dataclass(slots=True)
@@ -261,6 +263,7 @@ class AsyncLLMEngine:
                 use_tier=command.use_tier,
                 owner=command.owner,
                 previous_cache_salt=command.previous_cache_salt,
+                retention=command.retention,
             )
             return None
         if isinstance(command, AbortRequest):

@@ -17,7 +17,8 @@ from prefixcache.cache.events import EventSink
 from prefixcache.cache.index import DEFAULT_INDEX
 from prefixcache.cache.observer import KeyLogObserver
 from prefixcache.cache.policies import DEFAULT_POLICY
-from prefixcache.cache.validation import check_fits
+from prefixcache.cache.retention import DEFAULT_SHARE, Keep
+from prefixcache.cache.validation import check_fits, check_keeps
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -83,6 +84,9 @@ class EngineConfig:
     kv_tier_min_wait: float = 0.0  # ... and at least (a floor under the estimate)
     owner_shares: dict[str, float] | None = None  # fair cache: owner -> share ({}: equal)
     tier_keys: TierKeys | None = None  # sealing keys of tier values (None: per process)
+    retention_budget: float = DEFAULT_SHARE  # of the pool, that one owner may retain
+    retention_budgets: dict[str, float] | None = None  # owner -> its own retention share
+    retention_clock: Callable[[], float] = time.monotonic  # retention expiries (tests: fake)
 
 
 class LLMEngine:
@@ -122,6 +126,9 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             index=config.index,
             owner_shares=config.owner_shares,
+            clock=config.retention_clock,
+            retention_budget=config.retention_budget,
+            retention_budgets=config.retention_budgets,
         )
         self.tier = self._open_tier(config) if config.kv_tier else None
         self.scheduler = Scheduler(
@@ -207,6 +214,7 @@ class LLMEngine:
         use_tier: bool = True,
         owner: str | None = None,
         previous_cache_salt: str | None = None,
+        retention: tuple[Keep, ...] = (),
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
@@ -215,6 +223,8 @@ class LLMEngine:
         off it neither reads nor writes the second KV tier. ``owner`` (a tenant) is whose
         cache share its blocks count against; ``previous_cache_salt`` (a tenant secret's
         rotation) is its salt under the previous secret, whose tier values it may still read.
+        ``retention`` lists prompt prefixes to keep cached once computed (see ``Keep``); each
+        is held against ``owner``'s retention budget.
         A request that asks for prompt logprobs
         computes its whole prompt (a cached prefix has no logits): its own hit is skipped and
         the tier is not used, while the blocks it computes are shared as usual.
@@ -244,6 +254,7 @@ class LLMEngine:
             use_tier=use_tier,
             owner=owner,
             previous_cache_salt=previous_cache_salt,
+            retention=check_keeps(retention, len(prompt_token_ids)),
         )
         if self.tier is not None:
             self.tier.prefetch(request)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixcache.cache import Sequence
+from prefixcache.cache.retention import Keep
 from prefixcache.engine.logprobs import Logprob
 from prefixcache.engine.sampling import SamplingParams, make_generator
 from prefixcache.engine.stop_holdback import releasable_length, released_tokens, visible_tokens
@@ -99,12 +100,15 @@ class Request:
         use_tier: bool = True,
         owner: str | None = None,
         previous_cache_salt: str | None = None,
+        retention: tuple[Keep, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.cache_salt = cache_salt
         self.previous_cache_salt = previous_cache_salt  # a secret rotation: tier reads only
+        self.retention = retention  # prompt prefixes to keep cached once computed
+        self.num_retained_blocks = 0  # how many of its prompt blocks the pool retained
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed

@@ -126,7 +126,17 @@ class Scheduler:
         start = seq.num_computed_tokens
         count = min(seq.num_tokens - start, budget)
         self.manager.commit(seq, start + count)
+        if start + count == seq.num_prompt_tokens and branch.request.retention:
+            self._retain(branch)
         return ScheduledChunk(branch, start, count)
+
+    def _retain(self, branch: Branch) -> None:
+        """The prompt is committed: mark the prefixes its request asked to keep."""
+        request, seq = branch.request, branch.seq
+        assert seq is not None
+        for keep in request.retention:
+            kept = self.manager.retain(seq, *keep, owner=request.owner)
+            request.num_retained_blocks = max(request.num_retained_blocks, kept)
 
     def _admit(self, branch: Branch) -> bool:
         """Give a waiting branch its blocks (reusing its cached prefix) and run it."""
