@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/policies.py
 	$(BIN)/python benchmarks/fairness.py
 	$(BIN)/python benchmarks/hardening.py
+	$(BIN)/python benchmarks/agents.py
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab
