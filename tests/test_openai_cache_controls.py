@@ -14,9 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import default_engine, tiny_engine
-from prefixcache.cache.retention import DEFAULT_SHARE
+from prefixcache.cache.retention import DEFAULT_SHARE, Keep
 from prefixcache.cli import build_parser
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS, openai_keeps, openai_retention_class
 from prefixcache.server.trace_out import TraceWriter
 from server_fixtures import running_server, wait_idle
 
@@ -241,3 +242,12 @@ def test_a_bad_retention_budget_flag_is_a_usage_error(capsys):
         build_parser().parse_args(["serve", "--retention-budget", "2"])
     err = capsys.readouterr().err
     assert "--retention-budget" in err and "[0, 1]" in err
+
+
+def test_the_mapping_of_retention_names_to_keeps():
+    assert openai_keeps(openai_retention_class("in-memory"), 40) == (Keep(40, 300, "in_memory"),)
+    assert openai_keeps("24h", 7) == (Keep(7, 86400, "24h"),)
+    assert openai_keeps(None, 40) == ()
+    assert ANTHROPIC_TTLS == {"5m": 300, "1h": 3600}
+    with pytest.raises(ValueError, match="must be one of 'in_memory', '24h', 'in-memory'"):
+        openai_retention_class("5m")
