@@ -313,3 +313,14 @@ def test_the_expiry_heap_stays_bounded_under_repeated_hits(make_manager, clock):
     retention = m.pool.retention
     assert len(retention.free) == 2 and len(retention.heap) <= 2 * 2 + 64 + 1
     assert m.stats.retention_saved_hits == 400
+
+
+def test_retention_usage_counts_unexpired_marks_by_owner_and_class(make_manager, clock):
+    m = make_manager(POOL, BLOCK, clock=clock)
+    cache(m, unique_prompt(3), retain=300, owner="a", retention_class="in_memory")
+    cache(m, unique_prompt(2), retain=86400, owner="a", retention_class="24h")
+    cache(m, unique_prompt(1), retain=300, retention_class="in_memory")
+    assert m.retention_usage() == {("a", "in_memory"): 3, ("a", "24h"): 2, (None, "in_memory"): 1}
+    clock.advance(301)
+    assert m.retention_usage() == {("a", "24h"): 2}
+    assert sum(m.retention_usage().values()) == m.retained_blocks()

@@ -25,3 +25,14 @@ def positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be > 0")
     return value
+
+
+def unit_share(text: str) -> float:
+    """A share in [0, 1] (a usage error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value:g} must be in [0, 1]")
+    return value

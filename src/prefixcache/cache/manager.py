@@ -161,6 +161,10 @@ class KVCacheManager:
         """Blocks retained now (marked, unexpired), held or free."""
         return self.pool.retention.retained_blocks()
 
+    def retention_usage(self) -> dict[tuple[str | None, str], int]:
+        """Blocks retained now, by (owner, retention class)."""
+        return self.pool.retention.usage()
+
     def match(
         self,
         token_ids: SequenceOf[int],

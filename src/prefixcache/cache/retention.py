@@ -160,6 +160,17 @@ class Retention:
         now, expiry = self.clock(), self.expiry
         return sum(1 for owned in self.marks.values() for b in owned if expiry[b] > now)
 
+    def usage(self) -> dict[tuple[str | None, str], int]:
+        """Unexpired marks now, by (owner, class): held or free (a gauge)."""
+        now, expiry, klass = self.clock(), self.expiry, self.klass
+        counts: dict[tuple[str | None, str], int] = {}
+        for owner, owned in self.marks.items():
+            for block_id in owned:
+                if expiry[block_id] > now:
+                    key = (owner, klass[block_id])
+                    counts[key] = counts.get(key, 0) + 1
+        return counts
+
     # ------------------------------------------------------------ the pool's events
     def hold(self, cached: list[Block], empties: list[Block], releaser: int) -> list[Block]:
         """Blocks just released: keep the unexpired marked cached ones; return the rest of

@@ -33,6 +33,7 @@ class AddRequest:
     owner: str | None = None
     previous_cache_salt: str | None = None
     retention: tuple[Keep, ...] = ()  # prompt prefixes to keep cached (cache controls)
+    cache_key: str | None = None  # an opaque per-tenant id, for traces and logs only
 
 
 @dataclass(slots=True)
@@ -264,6 +265,7 @@ class AsyncLLMEngine:
                 owner=command.owner,
                 previous_cache_salt=command.previous_cache_salt,
                 retention=command.retention,
+                cache_key=command.cache_key,
             )
             return None
         if isinstance(command, AbortRequest):

@@ -215,6 +215,7 @@ class LLMEngine:
         owner: str | None = None,
         previous_cache_salt: str | None = None,
         retention: tuple[Keep, ...] = (),
+        cache_key: str | None = None,
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
@@ -224,7 +225,8 @@ class LLMEngine:
         cache share its blocks count against; ``previous_cache_salt`` (a tenant secret's
         rotation) is its salt under the previous secret, whose tier values it may still read.
         ``retention`` lists prompt prefixes to keep cached once computed (see ``Keep``); each
-        is held against ``owner``'s retention budget.
+        is held against ``owner``'s retention budget. ``cache_key`` (an opaque per-tenant id)
+        is for traces and logs only: it changes nothing the engine does.
         A request that asks for prompt logprobs
         computes its whole prompt (a cached prefix has no logits): its own hit is skipped and
         the tier is not used, while the blocks it computes are shared as usual.
@@ -255,6 +257,7 @@ class LLMEngine:
             owner=owner,
             previous_cache_salt=previous_cache_salt,
             retention=check_keeps(retention, len(prompt_token_ids)),
+            cache_key=cache_key,
         )
         if self.tier is not None:
             self.tier.prefetch(request)

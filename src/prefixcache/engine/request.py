@@ -101,6 +101,7 @@ class Request:
         owner: str | None = None,
         previous_cache_salt: str | None = None,
         retention: tuple[Keep, ...] = (),
+        cache_key: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -108,6 +109,7 @@ class Request:
         self.cache_salt = cache_salt
         self.previous_cache_salt = previous_cache_salt  # a secret rotation: tier reads only
         self.retention = retention  # prompt prefixes to keep cached once computed
+        self.cache_key = cache_key  # a client's opaque per-tenant id: for traces and logs only
         self.num_retained_blocks = 0  # how many of its prompt blocks the pool retained
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused

@@ -36,6 +36,16 @@ class TierSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionCounters:
+    """The cache's retention counters (``CacheStats``), cumulative."""
+
+    saved_hits: int
+    expired: int
+    evictions: int
+    refused: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """Pool, cache counters, queues, owners and tier at one instant (numbers only)."""
 
@@ -58,6 +68,8 @@ class EngineSnapshot:
     num_fair_deferrals: int
     seconds_per_token: float | None
     owners: tuple[OwnerUsage, ...]  # () unless fair with an owner
+    retained: tuple[tuple[str | None, str, int], ...]  # (owner, class, blocks retained now)
+    retention: RetentionCounters
     tier: TierSnapshot | None
 
 
@@ -84,8 +96,20 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_fair_deferrals=scheduler.num_fair_deferrals,
         seconds_per_token=engine.seconds_per_token,
         owners=tuple(manager.owner_usage()),
+        retained=retained_by_owner(manager.retention_usage()),
+        retention=RetentionCounters(
+            stats.retention_saved_hits,
+            stats.retention_expired,
+            stats.retention_evictions,
+            stats.retention_refused,
+        ),
         tier=None if engine.tier is None else tier_snapshot(engine.tier),
     )
+
+
+def retained_by_owner(usage: dict[tuple[str | None, str], int]) -> tuple:
+    """``(owner, class, blocks)`` rows, in a stable order."""
+    return tuple((owner, klass, count) for (owner, klass), count in sorted(usage.items(), key=str))
 
 
 def tier_snapshot(tier: TierLink) -> TierSnapshot:

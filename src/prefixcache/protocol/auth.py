@@ -17,15 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache.cache.owners import check_shares
+from prefixcache.cache.retention import check_share
 from prefixcache.protocol.tenant_secret import SECRET_BYTES
 
 LOCAL_TENANT = "local"
 KEY_FILE_FORMAT = (
     '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_hit_tokens", "zero_on_evict",'
-    ' "tier", "cache_share"}]}'
+    ' "tier", "cache_share", "retention_budget"}]}'
 )
 TENANT_FIELDS = (
-    "name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier", "cache_share"
+    "name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier", "cache_share",
+    "retention_budget",
 )  # fmt: skip
 RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
 
@@ -45,6 +47,7 @@ class Tenant:
     zero_on_evict: bool = False  # zero its KV blocks before their slots are reused
     tier: bool = True  # its blocks may be written to (and read from) the second KV tier
     cache_share: float | None = None  # its share of the cached pool (--fair-cache); None: equal
+    retention_budget: float | None = None  # share of the pool it may retain; None: the default
 
     @property
     def uses_tier(self) -> bool:
@@ -109,6 +112,15 @@ class Tenants:
         """Tenant name -> ``cache_share``, for the tenants that set one (``--fair-cache``)."""
         return {} if self._by_key_digest is None else _cache_shares(self._by_key_digest.values())
 
+    def retention_budgets(self) -> dict[str, float]:
+        """Tenant name -> ``retention_budget``, for the tenants that set one."""
+        tenants = self._by_key_digest.values() if self._by_key_digest else ()
+        return {t.name: t.retention_budget for t in tenants if t.retention_budget is not None}
+
+    def cache_key_id(self, tenant: Tenant, key: str | None) -> str | None:
+        """An opaque id of a tenant's ``prompt_cache_key`` (two tenants' equal keys differ)."""
+        return None if key is None else _salt(self._secret, [tenant.name, "cache-key", key])
+
     def cache_salt(self, tenant: Tenant, client_salt: str | None) -> str:
         """The salt for a request: per tenant (and client salt); unique if no reuse."""
         if tenant.no_reuse:
@@ -145,6 +157,7 @@ def _tenant(entry: dict) -> Tenant:
         zero_on_evict=bool(entry.get("zero_on_evict", False)),
         tier=bool(entry.get("tier", True)),
         cache_share=_share(entry),
+        retention_budget=_retention_budget(entry),
     )
 
 
@@ -155,6 +168,12 @@ def _share(entry: dict) -> float | None:
         return None
     name = str(entry["name"])
     return check_shares({name: value})[name]
+
+
+def _retention_budget(entry: dict) -> float | None:
+    """``retention_budget``: absent (None) or a share in [0, 1]; ValueError naming the tenant."""
+    value = entry.get("retention_budget")
+    return None if value is None else check_share(repr(str(entry["name"])), value)
 
 
 def _cache_shares(tenants: Iterable[Tenant]) -> dict[str, float]:

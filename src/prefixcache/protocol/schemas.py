@@ -11,6 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from prefixcache.protocol.cache_controls import (
+    MAX_CACHE_KEY_CHARS,
+    OPENAI_ALIASES,
+    OPENAI_RETENTION,
+    openai_retention_class,
+)
 from prefixcache.protocol.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_PROMPTS
 from prefixcache.protocol.sampling_limits import (
     MAX_LOGIT_BIAS,
@@ -55,6 +61,7 @@ PROMPT_SCHEMA = {
         },
     ]
 }
+RETENTION_SCHEMA = {"anyOf": [{"enum": [*OPENAI_RETENTION, *OPENAI_ALIASES]}, {"type": "null"}]}
 STOP_SCHEMA = {
     "anyOf": [
         {"type": "string", "minLength": 1},
@@ -144,6 +151,14 @@ class SamplingFields(NullMeansDefault):
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = False
+    # cache controls (protocol/cache_controls.py): a retention class, a per-tenant key
+    prompt_cache_retention: Any = Field(None, json_schema_extra=RETENTION_SCHEMA)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_CACHE_KEY_CHARS)
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _retention(cls, value: Any) -> str | None:
+        return None if value is None else openai_retention_class(value)
 
     @field_validator("stop")
     @classmethod

@@ -28,6 +28,7 @@ from prefixcache.engine.sampling import SamplingParams
 from prefixcache.protocol import openapi
 from prefixcache.protocol.admission import InFlight, Ticket
 from prefixcache.protocol.auth import Tenant, Tenants
+from prefixcache.protocol.cache_controls import CACHE_KEY_LOG_CHARS, openai_keeps
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import get_and_head, install_front, uvicorn_config
 from prefixcache.protocol.guard import RoutePolicy, tenant_of
@@ -229,8 +230,12 @@ async def _serve(
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     previous = server.tenants.previous_cache_salt(tenant, body.cache_salt)
-    fan_in = await _open(server, tenant, shape, prompts, ready.params, (salt, previous))
-    done = _Done(server, tenant, salt, shape.request_id, "chat" if shape.chat else "completions")
+    controls = _Controls(
+        body.prompt_cache_retention, server.tenants.cache_key_id(tenant, body.prompt_cache_key)
+    )
+    fan_in = await _open(server, tenant, shape, prompts, ready.params, (salt, previous), controls)
+    endpoint = "chat" if shape.chat else "completions"
+    done = _Done(server, tenant, salt, shape.request_id, endpoint, controls.cache_key)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         formatter = openai_format.StreamFormatter(shape, len(prompts))
@@ -272,13 +277,14 @@ async def _open(
     prompts: list[list[int]],
     params: SamplingParams,
     salts: tuple[str, str | None],
+    controls: _Controls,
 ) -> FanIn:
     """Put every prompt in the engine together (so they share their prefix); 400 if refused.
 
     ``salts``: the request's cache salt, and its salt under a previous secret (rotation).
     """
     adds = [
-        _add_request(shape, i, len(prompts), p, params, salts, tenant)
+        _add_request(shape, i, len(prompts), p, params, salts, tenant, controls)
         for i, p in enumerate(prompts)
     ]
     opened = await asyncio.gather(
@@ -304,6 +310,7 @@ def _add_request(
     params: SamplingParams,
     salts: tuple[str, str | None],
     tenant: Tenant,
+    controls: _Controls,
 ) -> AddRequest:
     """Prompt ``index`` of ``count`` as an engine request (ids ``<id>-<index>`` for a batch)."""
     return AddRequest(
@@ -316,7 +323,17 @@ def _add_request(
         use_tier=tenant.uses_tier,
         owner=tenant.name,
         previous_cache_salt=salts[1],
+        retention=openai_keeps(controls.retention_class, len(prompt)),
+        cache_key=controls.cache_key,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Controls:
+    """A request's prompt-caching controls: a retention class, its cache key's opaque id."""
+
+    retention_class: str | None = None  # None: automatic caching only
+    cache_key: str | None = None  # Tenants.cache_key_id: never the client's raw key
 
 
 @dataclass(slots=True)
@@ -328,6 +345,7 @@ class _Done:
     salt: str
     request_id: str
     endpoint: str
+    cache_key: str | None = None  # an opaque id: its first hex digits go in the log line
     called: bool = False
 
     def __call__(self, parts: list[RequestOutput], status: str = "ok") -> None:
@@ -338,10 +356,12 @@ class _Done:
         if status == "ok":
             for output in parts:
                 self.server.metrics.observe(self.tenant.name, output, self.salt)
+        key = f" cache_key={self.cache_key[:CACHE_KEY_LOG_CHARS]}" if self.cache_key else ""
         log.info(
-            "%s tenant=%s prompts=%d prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+            "%s%s tenant=%s prompts=%d prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
             "status=%s",
             self.request_id,
+            key,
             self.tenant.name,
             len(parts),
             sum(len(p.prompt_token_ids) for p in parts),

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefixcache.argtypes import positive_int
+from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import DEFAULT_INDEX, INDEX_NAMES
 from prefixcache.cache.policies import DEFAULT_POLICY, POLICY_NAMES
+from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -75,6 +76,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="tenant-fair eviction: a tenant over its share of the cached pool is evicted "
         'first (per tenant: "cache_share"; equal shares when none is given)',
+    )
+    serve.add_argument(
+        "--retention-budget",
+        type=unit_share,
+        default=DEFAULT_SHARE,
+        metavar="SHARE",
+        help="share of the KV pool one tenant may retain with prompt_cache_retention "
+        f'(default {DEFAULT_SHARE:g}; per tenant: "retention_budget")',
     )
     serve.add_argument(
         "--threads", type=positive_int, help="torch intra-op threads (default: torch's choice)"
@@ -203,6 +212,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 kv_tier_max_bytes=args.kv_tier_max_bytes,
                 kv_tier_max_wait=args.kv_tier_max_wait,
                 owner_shares=fair_shares(args, tenants),
+                retention_budget=args.retention_budget,
+                retention_budgets=tenants.retention_budgets(),
                 tier_keys=TierKeys.ephemeral() if secrets is None else TierKeys(*secrets),
             ),
         )

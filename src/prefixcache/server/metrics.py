@@ -93,6 +93,7 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     hits.add_metric(["tier"], snapshot.tier_hits)
     yield hits
     yield from owner_metrics(snapshot.owners)
+    yield from retention_metrics(snapshot)
     if snapshot.tier is not None:
         yield from tier_metrics(snapshot.tier)
 
@@ -132,6 +133,29 @@ def owner_metrics(
         for owner in usage:
             family.add_metric([owner.name or DEFAULT_OWNER_LABEL], getattr(owner, field))
         yield family
+
+
+RETENTION_COUNTERS = (
+    ("saved_hits", "Hits on free blocks kept by retention (prompt_cache_retention)"),
+    ("expired", "Retention marks that ran out"),
+    ("evictions", "Retained blocks evicted before their expiry: nothing else was free"),
+    ("refused", "Blocks a retention ask left unmarked: the tenant's retention budget was full"),
+)
+
+
+def retention_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
+    """Blocks retained now by tenant and class, and the retention counters."""
+    retained = GaugeMetricFamily(
+        "prefixcache_retained_blocks",
+        "KV blocks retained now (held or free) by tenant and retention class",
+        labels=["tenant", "class"],
+    )
+    for owner, klass, count in snapshot.retained:
+        retained.add_metric([owner or DEFAULT_OWNER_LABEL, klass], count)
+    yield retained
+    for name, documentation in RETENTION_COUNTERS:
+        value = getattr(snapshot.retention, name)
+        yield CounterMetricFamily(f"prefixcache_retention_{name}", documentation, value=value)
 
 
 TIER_COUNTERS = (
