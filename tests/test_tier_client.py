@@ -62,9 +62,13 @@ class FlakyTier(KVTier):
     def get(self, digests: Sequence[bytes]) -> list[bytes | None]:
         return self.inner.get(digests)
 
-    def put(self, digest: bytes, value: bytes, depth: int) -> bool:
+    def put(self, digest: bytes, value: bytes, depth: int, ttl_seconds: float | None = None):
         self._call()
-        return self.inner.put(digest, value, depth)
+        return self.inner.put(digest, value, depth, ttl_seconds)
+
+    def retain(self, digest: bytes, ttl_seconds: float) -> bool:
+        self._call()
+        return self.inner.retain(digest, ttl_seconds)
 
     def close(self) -> None:
         self.inner.close()
