@@ -143,7 +143,8 @@ class RedisTier(KVTier):
                 if self.ttl_seconds is None:
                     pipe.get(self.key(digest))
                 else:
-                    pipe.eval(READ, 1, self.key(digest), self.ttl_seconds * 1000)
+                    # execute_command: a ClusterPipeline has no eval(), but routes EVAL by key
+                    pipe.execute_command("EVAL", READ, 1, self.key(digest), self.ttl_seconds * 1000)
             return pipe.execute()
 
     def retain(self, digest: bytes, ttl_seconds: float) -> bool:
