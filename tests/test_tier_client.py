@@ -222,6 +222,21 @@ def test_full_queue_drops_and_counts_without_blocking(flaky: FlakyTier):
     client.close()
 
 
+def test_retention_rides_with_writes_and_on_its_own(flaky: FlakyTier):
+    client = TierClient(flaky, FMT)
+    gate = threading.Event()
+    assert client.submit_write(digest("a"), 0, lambda: gate.wait(5) and body("a"), KEY)
+    assert not client.submit_write(digest("a"), 0, body("a"), KEY, ttl_seconds=600.0)  # queued
+    assert client.submit_retain(digest("absent"), 600.0)
+    gate.set()
+    assert client.flush(5)
+    until = flaky.inner.retained_until(digest("a"))  # the mark came after the write
+    assert until is not None and 590 <= until - time.time() <= 600
+    assert client.present([digest("absent")]) == 0  # a retention never makes a block
+    assert client.stats.writes == 1 and client.stats.errors == 0
+    client.close()
+
+
 def test_writer_survives_bad_payloads_and_skips_stored_blocks(flaky: FlakyTier):
     client = TierClient(flaky, FMT)
 

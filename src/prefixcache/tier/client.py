@@ -308,7 +308,11 @@ class TierClient:
         block is retained that long; a copy already stored gets its retention extended.
         """
         with self._cond:
-            if self._closed or digest in self._queued:
+            if self._closed:
+                return False
+            if digest in self._queued:  # written already: a mark on it comes after the write
+                if ttl_seconds is not None:
+                    self._enqueue(_Write(digest, depth, None, None, ttl_seconds))
                 return False
             return self._enqueue(_Write(digest, depth, payload_source, key, ttl_seconds))
 

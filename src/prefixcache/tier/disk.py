@@ -145,7 +145,8 @@ class DiskTier(KVTier):
         entry.expiry = expiry
         heapq.heappush(self._retained, (expiry, digest))
         if len(self._retained) > 2 * self._num_retained + 64:
-            self._retained = [(e.expiry, d) for d, e in self._entries.items() if e.expiry]
+            live = self._entries.items()
+            self._retained = [(e.expiry, d) for d, e in live if e.expiry is not None]
             heapq.heapify(self._retained)
 
     def _live(self, expiry: float, digest: bytes) -> _Entry | None:

@@ -22,6 +22,7 @@ without a TTL keeps none). It is atomic on the server, so replicas refreshing an
 the same key concurrently cannot shorten it, and it costs no extra round trip (Redis 6.2,
 which has no ``EXPIRE ... GT``, runs it too). The ACL the tier needs is
 ``+exists +get +set +del +eval +pttl +pexpire`` on ``key_prefix*``.
+
 Clients fail fast: no retries by default and a short socket timeout, because a miss costs
 a recompute while a stalled read stalls a whole batch. Errors surface as ``TierError``.
 """
