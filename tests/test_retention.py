@@ -324,3 +324,20 @@ def test_retention_usage_counts_unexpired_marks_by_owner_and_class(make_manager,
     clock.advance(301)
     assert m.retention_usage() == {("a", "24h"): 2}
     assert sum(m.retention_usage().values()) == m.retained_blocks()
+
+
+# ------------------------------------------------------------ retention_ttl (read-only)
+def test_retention_ttl_is_the_seconds_left_on_a_blocks_mark(make_manager, clock):
+    m = make_manager(POOL, BLOCK, clock=clock)
+    tokens = unique_prompt(3)
+    seq = admit_computed(m, "ttl", tokens)
+    assert [m.retention_ttl(block) for block in seq.blocks] == [None, None, None]
+    assert m.retain(seq, 2 * BLOCK, 600.0, "1h") == 2
+    clock.advance(100)
+    assert [m.retention_ttl(block) for block in seq.blocks] == [500.0, 500.0, None]
+    m.retain(seq, BLOCK, 60.0)  # a shorter mark changes nothing
+    assert m.retention_ttl(seq.blocks[0]) == 500.0
+    clock.advance(500)
+    assert m.retention_ttl(seq.blocks[0]) is None  # expired: unmarked
+    m.free(seq)
+    m.check_invariants()

@@ -62,9 +62,13 @@ class FlakyTier(KVTier):
     def get(self, digests: Sequence[bytes]) -> list[bytes | None]:
         return self.inner.get(digests)
 
-    def put(self, digest: bytes, value: bytes, depth: int) -> bool:
+    def put(self, digest: bytes, value: bytes, depth: int, ttl_seconds: float | None = None):
         self._call()
-        return self.inner.put(digest, value, depth)
+        return self.inner.put(digest, value, depth, ttl_seconds)
+
+    def retain(self, digest: bytes, ttl_seconds: float) -> bool:
+        self._call()
+        return self.inner.retain(digest, ttl_seconds)
 
     def close(self) -> None:
         self.inner.close()
@@ -215,6 +219,21 @@ def test_full_queue_drops_and_counts_without_blocking(flaky: FlakyTier):
     assert client.flush(5)
     assert client.stats.writes == 3 and threads == ["tier-writer"]
     assert len(client.fetch([digest(n) for n in "abcd"], KEY)) == 3
+    client.close()
+
+
+def test_retention_rides_with_writes_and_on_its_own(flaky: FlakyTier):
+    client = TierClient(flaky, FMT)
+    gate = threading.Event()
+    assert client.submit_write(digest("a"), 0, lambda: gate.wait(5) and body("a"), KEY)
+    assert not client.submit_write(digest("a"), 0, body("a"), KEY, ttl_seconds=600.0)  # queued
+    assert client.submit_retain(digest("absent"), 600.0)
+    gate.set()
+    assert client.flush(5)
+    until = flaky.inner.retained_until(digest("a"))  # the mark came after the write
+    assert until is not None and 590 <= until - time.time() <= 600
+    assert client.present([digest("absent")]) == 0  # a retention never makes a block
+    assert client.stats.writes == 1 and client.stats.errors == 0
     client.close()
 
 

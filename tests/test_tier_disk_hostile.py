@@ -6,8 +6,10 @@ and serve a normal block. The suite runs as root, so ownership is checked by uid
 
 from __future__ import annotations
 
+import math
 import os
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -361,3 +363,92 @@ def test_bounded_read_never_reads_more_than_asked(tmp_path: Path):
         assert len(data) == 4097 and info.st_size == 50 << 20
     finally:
         os.close(fd)
+
+
+# -- retention records (``<digest>.ret`` beside a retained block) ---------------------------
+
+
+def _record(root: Path, name: str) -> Path:
+    return block_file(root, name).with_suffix(".ret")
+
+
+def _retained(root: Path, name: str) -> None:
+    """Store block ``name`` retained for a day, and close the tier again."""
+    tier = DiskTier(root, 1 << 20)
+    assert tier.put(digest(name), value(name), 0, 86400.0)
+    tier.close()
+    assert _record(root, name).is_file()
+
+
+def _spoil(path: Path, how: str, victim: Path) -> None:
+    """Turn a sound retention record into a hostile one."""
+    data = path.read_bytes()
+    if how == "symlink":
+        path.unlink()
+        path.symlink_to(victim / "precious.txt")
+    elif how == "folder":
+        path.unlink()
+        path.mkdir()
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif how == "stranger":
+        os.chown(path, STRANGER, STRANGER)
+    elif how == "loose":
+        os.chmod(path, 0o666)
+    elif how == "short":
+        path.write_bytes(data[:-1])
+    elif how == "long":
+        path.write_bytes(data + b"\x00" * 4096)
+    elif how == "magic":
+        path.write_bytes(b"XXXX" + data[4:])
+    elif how == "other-digest":
+        path.write_bytes(data[:4] + digest("someone-else") + data[36:])
+    elif how == "nan":
+        path.write_bytes(data[:36] + struct.pack("<d", math.nan))
+    elif how == "negative":
+        path.write_bytes(data[:36] + struct.pack("<d", -1.0))
+
+
+HOSTILE_RECORDS = {
+    "symlink": "symlink",
+    "folder": "not_regular",
+    "fifo": "not_regular",
+    "stranger": "foreign_owner",
+    "loose": "writable_by_others",
+    "short": "wrong_size",
+    "long": "wrong_size",
+    "magic": "bad_retention",
+    "other-digest": "bad_retention",
+    "nan": "bad_retention",
+    "negative": "bad_retention",
+}
+
+
+@pytest.mark.parametrize(("how", "reason"), HOSTILE_RECORDS.items(), ids=HOSTILE_RECORDS)
+def test_a_hostile_retention_record_leaves_its_block_unretained(
+    root: Path, victim: Path, how: str, reason: str
+):
+    _retained(root, "a")
+    before = files_under(victim)
+    _spoil(_record(root, "a"), how, victim)
+    tier = DiskTier(root, 1 << 20)  # starts: a bad record costs its block's mark only
+    assert tier.rejected_files == {reason: 1}
+    assert tier.get([digest("a")]) == [value("a")]
+    assert tier.retained_until(digest("a")) is None
+    assert files_under(victim) == before  # a link's target is never read nor removed
+    assert tier.retain(digest("a"), 3600.0)  # and it can be retained again
+    still_works(tier)
+    tier.close()
+    again = DiskTier(root, 1 << 20)  # recorded, unless a folder we never remove is in the way
+    assert (again.retained_until(digest("a")) is None) == (how == "folder")
+    again.close()
+
+
+def test_a_retention_record_without_its_block_is_removed(root: Path):
+    _retained(root, "a")
+    block_file(root, "a").unlink()
+    tier = DiskTier(root, 1 << 20)
+    assert len(tier) == 0 and not _record(root, "a").exists()
+    assert tier.rejected_files == {}
+    tier.close()

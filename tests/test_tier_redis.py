@@ -209,16 +209,21 @@ def test_three_node_cluster_round_trip():
     with redis_cluster(3) as cluster:
         names = [f"c{i}" for i in range(40)]
         spec = cluster.url.replace("redis://", "redis+cluster://").removesuffix("/0")
-        with open_tier(spec, FMT) as writer:
+        with open_tier(spec, FMT, ttl_seconds=600) as writer:  # the even ones retained a day
             for depth, name in enumerate(names):
-                assert writer.submit_write(digest(name), depth, body(name), KEY)
+                ttl = 86400.0 if depth % 2 == 0 else None
+                assert writer.submit_write(digest(name), depth, body(name), KEY, ttl)
             assert writer.flush(10) and writer.stats.writes == 40
-        with open_tier(spec, FMT) as reader:
+        with open_tier(spec, FMT, ttl_seconds=600) as reader:  # the READ script, per node
             got = reader.fetch([digest(n) for n in names], KEY)
             assert [bytes(p) for p in got] == [body(n) for n in names]
             assert reader.stats.errors == 0
-        sizes = []
+        sizes, retained = [], 0
         for node in cluster.nodes:
             with node.client() as client:
                 sizes.append(client.dbsize())
+                ttls = [client.ttl(key) for key in client.keys("*")]
+                assert all(86000 <= t <= 86400 or 590 <= t <= 600 for t in ttls), ttls
+                retained += sum(t > 600 for t in ttls)
         assert sum(sizes) == 40 and all(sizes)  # one key per block, spread over the nodes
+        assert retained == 20

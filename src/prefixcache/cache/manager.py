@@ -165,6 +165,12 @@ class KVCacheManager:
         """Blocks retained now, by (owner, retention class)."""
         return self.pool.retention.usage()
 
+    def retention_ttl(self, block: Block) -> float | None:
+        """Seconds left on ``block``'s retention mark; None if it is unmarked or expired."""
+        retention = self.pool.retention
+        left = retention.expiry[block.block_id] - retention.clock()
+        return left if left > 0 else None
+
     def match(
         self,
         token_ids: SequenceOf[int],

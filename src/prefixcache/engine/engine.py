@@ -80,6 +80,7 @@ class EngineConfig:
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
     kv_tier: str | None = None  # a second KV tier: "disk:PATH" or "redis://HOST:PORT/DB"
     kv_tier_max_bytes: int | None = None  # the disk tier's size cap (default 4 GiB)
+    kv_tier_ttl_seconds: int | None = None  # a Redis tier's TTL per value (None: no expiry)
     kv_tier_max_wait: float = 0.5  # seconds a request may wait for its tier blocks, at most
     kv_tier_min_wait: float = 0.0  # ... and at least (a floor under the estimate)
     owner_shares: dict[str, float] | None = None  # fair cache: owner -> share ({}: equal)
@@ -165,9 +166,11 @@ class LLMEngine:
 
     def _open_tier(self, config: EngineConfig) -> TierLink:
         """Connect the second KV tier (a store that is down now is retried later)."""
-        options = (
-            {} if config.kv_tier_max_bytes is None else {"max_bytes": config.kv_tier_max_bytes}
-        )
+        options: dict[str, object] = {}
+        if config.kv_tier_max_bytes is not None:
+            options["max_bytes"] = config.kv_tier_max_bytes
+        if config.kv_tier_ttl_seconds is not None and not config.kv_tier.startswith("disk:"):
+            options["ttl_seconds"] = config.kv_tier_ttl_seconds
         client = open_tier(config.kv_tier, block_format(self.manager, self.kv_store), **options)
         keys = config.tier_keys or default_tier_keys(config.kv_tier)
         waits = (config.kv_tier_min_wait, config.kv_tier_max_wait)

@@ -6,6 +6,8 @@ the request back until the fetch is done or its deadline (a share of the time co
 those blocks would take) has passed, then loads what came back into newly allocated
 blocks and commits them. Write path: after each forward, the full blocks it computed are
 copied out of the KV store and queued to the tier's writer thread; a step never waits.
+Retained blocks (``KVCacheManager.retention_ttl``) go with their seconds left, and the tier
+keeps them at least that long.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from prefixcache.cache import KVCacheManager
+from prefixcache.cache.blocks import Block
 from prefixcache.cache.events import BlockRemoved, BlockStored, EventSink
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.request import Branch, Request
@@ -128,26 +131,40 @@ class TierLink:
         return len(usable)
 
     def write_computed(self, chunks: list[ScheduledChunk]) -> None:
-        """Queue every full block this forward computed (of requests that use the tier)."""
-        block_size = self.manager.block_size
-        ids, digests, depths, keys = [], [], [], []
+        """Queue every full block this forward computed (of requests that use the tier), each
+        with its retention's seconds left; a prompt's last chunk also extends the retention
+        of its earlier blocks (hits and earlier chunks), which the tier may hold already."""
+        block_size, ttl_of = self.manager.block_size, self.manager.retention_ttl
+        ids, digests, depths, keys, ttls = [], [], [], [], []
         for chunk in chunks:
             seq, request = chunk.branch.seq, chunk.branch.request
             if seq is None or not request.use_tier:
                 continue
             key = self.keys.current.for_salt(request.cache_salt)
+            first = chunk.start // block_size
             end = min((chunk.start + chunk.num_tokens) // block_size, seq.num_stored_blocks)
-            for index in range(chunk.start // block_size, end):
+            for index in range(first, end):
                 block = seq.blocks[index]
                 if block.key is not None:  # the indexed copy: its KV is now computed
                     ids.append(block.block_id)
                     digests.append(block.digest)
                     depths.append(index)
                     keys.append(key)
+                    ttls.append(ttl_of(block))
+            if request.retention and chunk.start + chunk.num_tokens == seq.num_prompt_tokens:
+                self._retain_earlier(seq.blocks[: min(first, seq.num_stored_blocks)])
         if ids:
             copies = self.kv_store.read_blocks(ids)
-            for copy, digest, depth, key in zip(copies, digests, depths, keys, strict=True):
-                self.client.submit_write(digest, depth, copy.numpy().tobytes, key)
+            rows = zip(copies, digests, depths, keys, ttls, strict=True)
+            for copy, digest, depth, key, ttl in rows:
+                self.client.submit_write(digest, depth, copy.numpy().tobytes, key, ttl)
+
+    def _retain_earlier(self, blocks: list[Block]) -> None:
+        """Extend the tier's retention of blocks computed before this forward (no payload)."""
+        for block in blocks:
+            ttl = self.manager.retention_ttl(block)
+            if ttl is not None and block.digest is not None:
+                self.client.submit_retain(block.digest, ttl)
 
     def report_events(self, sink: EventSink) -> None:
         """Tell ``sink`` of blocks stored in (and evicted from) the tier, with its medium."""

@@ -114,12 +114,20 @@ class KVTier(ABC):
         """The stored value of each digest, or None where absent, in one round trip."""
 
     @abstractmethod
-    def put(self, digest: bytes, value: bytes, depth: int) -> bool:
+    def put(
+        self, digest: bytes, value: bytes, depth: int, ttl_seconds: float | None = None
+    ) -> bool:
         """Store ``value`` under ``digest``; False if it was already present or not written.
 
         ``depth`` is the block's index in its chain: eviction prefers deep blocks, so
-        shared shallow prefixes outlive long tails.
+        shared shallow prefixes outlive long tails. ``ttl_seconds``: the block is retained
+        that long (the cache's retention mark); the store keeps it at least as long as it can.
         """
+
+    def retain(self, digest: bytes, ttl_seconds: float) -> bool:
+        """Keep a stored block at least ``ttl_seconds`` more (never shorter than it was);
+        False if it is not stored. Default: nothing to extend."""
+        return False
 
     def discard(self, digests: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
         """Remove damaged values so a later ``put`` can replace them; default: no-op."""

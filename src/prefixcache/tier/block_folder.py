@@ -2,18 +2,23 @@
 
 ``BlockFolder`` does the file I/O of ``DiskTier``: it checks PATH and takes its lock, empties
 ``PATH/tmp``, scans ``PATH/<2 hex>/<64 hex>.kvb`` at start-up, and reads, writes and unlinks
-block files, all through ``safe_files`` (``O_NOFOLLOW`` opens relative to folder fds, fstat
-checks, bounded reads). A name that is not a sound block file of ours is counted in
-``rejected`` by reason, logged once by its first 12 characters (never its contents), and its
-name is unlinked: a symlink goes, its target stays; a folder is never removed.
+block files and their retention records (``<64 hex>.ret`` beside a retained block: magic,
+digest, expiry as float64 wall-clock seconds; untrusted, checked like a block file, removed
+with its block or when its block is gone), all through ``safe_files`` (``O_NOFOLLOW`` opens
+relative to folder fds, fstat checks, bounded reads). A name that is not a sound block file
+of ours is counted in ``rejected`` by reason, logged once by its first 12 characters (never
+its contents), and its name is unlinked: a symlink goes, its target stays; a folder is never
+removed.
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import re
+import struct
 import threading
 from pathlib import Path
 
@@ -34,15 +39,28 @@ from prefixcache.tier.safe_files import (
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
+RETAINED = ".ret"  # a retained block's expiry record
+RECORD = struct.Struct("<4s32sd")  # magic, digest, expiry (wall-clock seconds)
+RECORD_MAGIC = b"PCRT"
 SHARD = re.compile(r"[0-9a-f]{2}")
 REPLACEABLE = ("symlink", "not_folder")  # a subfolder name we may unlink and make again
-Found = tuple[int, bytes, int, int]  # mtime_ns, digest, size, depth
+Found = tuple[int, bytes, int, int, float | None]  # mtime_ns, digest, size, depth, expiry
 
 
-def names(digest: bytes) -> tuple[str, str]:
-    """(subfolder, file name) of a digest's block file."""
+def names(digest: bytes, suffix: str = SUFFIX) -> tuple[str, str]:
+    """(subfolder, file name) of a digest's block file (or retention record)."""
     hexed = digest.hex()
-    return hexed[:2], f"{hexed}{SUFFIX}"
+    return hexed[:2], f"{hexed}{suffix}"
+
+
+def parse_record(data: bytes, digest: bytes) -> float:
+    """The expiry in a retention record of ``digest``; Rejected if it is not a sound one."""
+    magic, named, expiry = RECORD.unpack(data)
+    if magic != RECORD_MAGIC or named != digest:
+        raise Rejected("bad_retention", "not a retention record of its block")
+    if not math.isfinite(expiry) or expiry <= 0:
+        raise Rejected("bad_retention", "its expiry is not a time")
+    return expiry
 
 
 class BlockFolder:
@@ -145,10 +163,33 @@ class BlockFolder:
             raise
         try:
             with os.scandir(fd) as entries:
-                files = [entry.name for entry in entries if entry.name.endswith(SUFFIX)]
-            return [hit for name in files if (hit := self._scan_file(fd, shard, name))]
+                listed = [entry.name for entry in entries]
+            files = [name for name in listed if name.endswith(SUFFIX)]
+            records = {name for name in listed if name.endswith(RETAINED)}
+            found = [hit for name in files if (hit := self._scan_file(fd, shard, name))]
+            found = [self._with_expiry(fd, hit, records) for hit in found]
+            for orphan in records:  # its block is gone (a removal cut short): it goes too
+                remove_name(fd, orphan)
+            return found
         finally:
             os.close(fd)
+
+    def _with_expiry(self, fd: int, hit: Found, records: set[str]) -> Found:
+        """``hit`` with the expiry of its retention record, if it has a sound one."""
+        name = names(hit[1], RETAINED)[1]
+        if name not in records:
+            return hit
+        records.discard(name)
+        try:
+            data, _ = read_regular(fd, name, RECORD.size + 1, RECORD.size)
+            return (*hit[:4], parse_record(data, hit[1]))
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            self._reject(fd, name, Rejected("unreadable", os.strerror(error.errno or 0)))
+        except Rejected as problem:
+            self._reject(fd, name, problem)
+        return hit
 
     def _scan_file(self, fd: int, shard: str, name: str) -> Found | None:
         """One block file's entry if its header and size are sound; else it is rejected."""
@@ -166,7 +207,7 @@ class BlockFolder:
             return self._reject(fd, name, Rejected("unreadable", os.strerror(error.errno or 0)))
         except Rejected as problem:
             return self._reject(fd, name, problem)
-        return info.st_mtime_ns, header.digest, info.st_size, header.depth
+        return info.st_mtime_ns, header.digest, info.st_size, header.depth, None
 
     # -- block files while running --------------------------------------------------------
 
@@ -194,7 +235,15 @@ class BlockFolder:
 
     def write(self, digest: bytes, value: bytes, fsync: bool) -> None:
         """Write a block file atomically: a 0600 temp file, fsync, ``os.replace``."""
-        shard, name = names(digest)
+        self._replace(*names(digest), value, fsync)
+
+    def write_expiry(self, digest: bytes, expiry: float, fsync: bool) -> None:
+        """Write (or replace) a block's retention record, atomically like a block file."""
+        data = RECORD.pack(RECORD_MAGIC, digest, expiry)
+        self._replace(*names(digest, RETAINED), data, fsync)
+
+    def _replace(self, shard: str, name: str, value: bytes, fsync: bool) -> None:
+        """Put ``value`` in place as ``shard/name``: temp file, fsync, ``os.replace``."""
         temp = f"{name}.{os.getpid()}.{threading.get_ident()}"
         remove_name(self._tmp, temp)  # a leftover of an earlier thread with this id
         try:
@@ -211,19 +260,22 @@ class BlockFolder:
         finally:
             remove_name(self._tmp, temp)
 
-    def unlink(self, digest: bytes) -> None:
-        """Remove a block file's name; a failure is logged (the next start retries)."""
-        shard, name = names(digest)
+    def unlink(self, digest: bytes, suffixes: tuple[str, ...] = (RETAINED, SUFFIX)) -> None:
+        """Remove a block file's name and its retention record's; a failure is logged (the
+        next start retries). ``suffixes=(RETAINED,)``: the record only."""
+        shard = names(digest)[0]
         try:
             fd = open_dir(self._root, shard)
         except (OSError, Rejected):
             return  # no subfolder of ours: nothing of ours to delete
         try:
-            error = remove_name(fd, name)
+            for suffix in suffixes:
+                name = names(digest, suffix)[1]
+                error = remove_name(fd, name)
+                if error is not None:
+                    logger.warning("disk tier: cannot delete %s: %s", name[:12], error)
         finally:
             os.close(fd)
-        if error is not None:
-            logger.warning("disk tier: cannot delete %s: %s", name[:12], error)
 
     # -- rejected names ---------------------------------------------------------------
 

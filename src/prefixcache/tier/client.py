@@ -113,8 +113,9 @@ class Chain(NamedTuple):
 class _Write:
     digest: bytes
     depth: int
-    source: PayloadSource
-    key: SealKey
+    source: PayloadSource | None  # None: only extend a stored block's retention
+    key: SealKey | None
+    ttl_seconds: float | None = None  # the cache's retention mark, seconds left
 
 
 class TierClient:
@@ -291,24 +292,47 @@ class TierClient:
     # -- writes -----------------------------------------------------------------------
 
     def submit_write(
-        self, digest: bytes, depth: int, payload_source: PayloadSource, key: SealKey
+        self,
+        digest: bytes,
+        depth: int,
+        payload_source: PayloadSource,
+        key: SealKey,
+        ttl_seconds: float | None = None,
     ) -> bool:
         """Queue one block, to be sealed under ``key``, for the writer thread; never blocks.
         False if not queued.
 
         ``payload_source`` is the block's bytes or a zero-argument callable returning
         them, evaluated later on the writer thread: it must read KV that stays valid until
-        then (a copy, or a block the engine keeps from being reused).
+        then (a copy, or a block the engine keeps from being reused). ``ttl_seconds``: the
+        block is retained that long; a copy already stored gets its retention extended.
         """
         with self._cond:
-            if self._closed or digest in self._queued:
+            if self._closed:
                 return False
-            if len(self._queue) >= self.queue_blocks or self.breaker.state == "open":
-                self._count(writes_dropped=1)
+            if digest in self._queued:  # written already: a mark on it comes after the write
+                if ttl_seconds is not None:
+                    self._enqueue(_Write(digest, depth, None, None, ttl_seconds))
                 return False
-            self._queue.append(_Write(digest, depth, payload_source, key))
-            self._queued.add(digest)
-            self._cond.notify()
+            return self._enqueue(_Write(digest, depth, payload_source, key, ttl_seconds))
+
+    def submit_retain(self, digest: bytes, ttl_seconds: float) -> bool:
+        """Queue a retention extension of a block the store may already hold (no payload:
+        an absent block stays absent); never blocks. False if not queued."""
+        with self._cond:
+            if self._closed:
+                return False
+            return self._enqueue(_Write(digest, 0, None, None, ttl_seconds))
+
+    def _enqueue(self, item: _Write) -> bool:
+        """Append under ``_cond``, unless the queue is full or the breaker open (counted)."""
+        if len(self._queue) >= self.queue_blocks or self.breaker.state == "open":
+            self._count(writes_dropped=1)
+            return False
+        self._queue.append(item)
+        if item.source is not None:
+            self._queued.add(item.digest)
+        self._cond.notify()
         return True
 
     def _drain(self) -> None:
@@ -328,7 +352,8 @@ class TierClient:
             finally:
                 with self._cond:
                     self._busy = False
-                    self._queued.discard(item.digest)
+                    if item.source is not None:
+                        self._queued.discard(item.digest)
                     self._cond.notify_all()
 
     def _write(self, item: _Write) -> None:
@@ -337,7 +362,9 @@ class TierClient:
             self._count(writes_dropped=1)
             return
         try:
-            if self.backend.present([item.digest]):  # skip the payload copy and transfer
+            if item.source is None or self.backend.present([item.digest]):
+                if item.ttl_seconds is not None:  # stored already: only its retention grows
+                    self.backend.retain(item.digest, item.ttl_seconds)
                 self.breaker.success()
                 return
         except Exception as error:
@@ -347,7 +374,7 @@ class TierClient:
         if value is None:
             return
         try:
-            written = self.backend.put(item.digest, value, item.depth)
+            written = self.backend.put(item.digest, value, item.depth, item.ttl_seconds)
         except Exception as error:
             self._failed("write", error)
             return
@@ -361,6 +388,7 @@ class TierClient:
         """The sealed value of a queued block (its payload closure runs here), or None."""
         try:
             payload = item.source() if callable(item.source) else item.source
+            assert payload is not None and item.key is not None
             return encode_value(self.fmt, item.digest, item.depth, payload, item.key)
         except Exception:
             logger.exception("%s tier cannot encode block %s", self.medium, short(item.digest))

@@ -12,6 +12,17 @@ Eviction is Redis' job. Give the server a memory cap and an LRU policy, e.g.::
     maxmemory-policy allkeys-lru
 
 With ``noeviction`` a full server refuses writes (counted as not written, not as errors).
+
+TTLs: with ``ttl_seconds`` every value is written with that expiry, and a read refreshes it.
+A retained block (the cache's retention mark, ``put(..., ttl_seconds)``) is written with
+``max(tier TTL, ceil(retention TTL))``, and ``retain`` lengthens a stored key's TTL to that.
+Neither a read nor a retention ever shortens a TTL: both run one small Lua script per key
+(``EVAL``: ``PTTL``, then ``PEXPIRE`` only if the key's TTL is below the target; a key
+without a TTL keeps none). It is atomic on the server, so replicas refreshing and retaining
+the same key concurrently cannot shorten it, and it costs no extra round trip (Redis 6.2,
+which has no ``EXPIRE ... GT``, runs it too). The ACL the tier needs is
+``+exists +get +set +del +eval +pttl +pexpire`` on ``key_prefix*``.
+
 Clients fail fast: no retries by default and a short socket timeout, because a miss costs
 a recompute while a stalled read stalls a whole batch. Errors surface as ``TierError``.
 """
@@ -19,6 +30,7 @@ a recompute while a stalled read stalls a whole batch. Errors surface as ``TierE
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +46,17 @@ from prefixcache.tier.base import KVTier, TierError
 
 logger = logging.getLogger(__name__)
 _ERRORS = (RedisError, RedisClusterException)
+# KEYS[1]'s TTL becomes at least ARGV[1] ms (a key without a TTL keeps none); its old PTTL.
+EXTEND = """local left = redis.call('PTTL', KEYS[1])
+if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return left"""
+# GET KEYS[1], then the same extension (a read never shortens a retained block's TTL).
+READ = """local value = redis.call('GET', KEYS[1])
+if value then
+  local left = redis.call('PTTL', KEYS[1])
+  if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+end
+return value"""
 
 
 def _is_full(error: BaseException | None) -> bool:
@@ -105,8 +128,14 @@ class RedisTier(KVTier):
                 return count
         return len(digests)
 
+    def expiry(self, ttl_seconds: float | None) -> int | None:
+        """The EX of a block retained ``ttl_seconds`` (None: unretained); None: no expiry."""
+        if self.ttl_seconds is None or ttl_seconds is None:
+            return self.ttl_seconds
+        return max(self.ttl_seconds, math.ceil(ttl_seconds))
+
     def get(self, digests: Sequence[bytes]) -> list[bytes | None]:
-        """One pipeline of GET (GETEX refreshing the TTL when one is set)."""
+        """One pipeline of GET (the READ script, refreshing a shorter TTL, when one is set)."""
         if not digests:
             return []
         with self._errors("get"):
@@ -115,15 +144,29 @@ class RedisTier(KVTier):
                 if self.ttl_seconds is None:
                     pipe.get(self.key(digest))
                 else:
-                    pipe.getex(self.key(digest), ex=self.ttl_seconds)
+                    # execute_command: a ClusterPipeline has no eval(), but routes EVAL by key
+                    pipe.execute_command("EVAL", READ, 1, self.key(digest), self.ttl_seconds * 1000)
             return pipe.execute()
 
-    def put(self, digest: bytes, value: bytes, depth: int) -> bool:
-        """One ``SET key value NX [EX ttl]``; False if the key exists or Redis is full."""
+    def retain(self, digest: bytes, ttl_seconds: float) -> bool:
+        """Lengthen a stored block's TTL to ``expiry(ttl_seconds)`` (the EXTEND script)."""
+        target = max(self.ttl_seconds or 0, math.ceil(ttl_seconds)) * 1000
+        with self._errors("retain"):
+            return self._redis().eval(EXTEND, 1, self.key(digest), target) != -2
+
+    def put(
+        self, digest: bytes, value: bytes, depth: int, ttl_seconds: float | None = None
+    ) -> bool:
+        """One ``SET key value NX [EX ttl]``; False if the key exists (then a retained block's
+        TTL is lengthened) or Redis is full."""
         key = self.key(digest)
         try:
             with self._errors("put"):
-                return bool(self._redis().set(key, value, nx=True, ex=self.ttl_seconds))
+                if self._redis().set(key, value, nx=True, ex=self.expiry(ttl_seconds)):
+                    return True
+            if ttl_seconds is not None:
+                self.retain(digest, ttl_seconds)
+            return False
         except TierError as error:
             if not _is_full(error.__cause__):
                 raise
