@@ -51,6 +51,7 @@ def test_constrained_output_validates_against_the_schema(seed: int) -> None:
     assert final.outputs[0].finish_reason == "stop"
     Shape.model_validate_json(final.text)
     assert_pool_clean(engine)
+    assert engine.num_constrained == 0
 
 
 def test_n_2_each_branch_follows_its_own_matcher() -> None:
