@@ -98,3 +98,20 @@ def test_special_tokens_are_never_text(cache: GrammarCache) -> None:
     assert tokenizer.encode("lo")[0] in [
         i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1
     ]
+
+
+def test_tool_parameters_may_refer_to_their_defs(cache: GrammarCache) -> None:
+    parameters = {
+        "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+    }
+    tools = (ToolSpec("temp", canonical_json(parameters)),)
+    constraint = ToolCalls(tools, "required")
+    assert accepts(
+        cache, constraint, '<tool_call>{"name": "temp", "arguments": {"unit": "f"}}</tool_call>'
+    )
+    assert not accepts(
+        cache, constraint, '<tool_call>{"name": "temp", "arguments": {"unit": "k"}}</tool_call>'
+    )
