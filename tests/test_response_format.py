@@ -54,6 +54,16 @@ def test_json_schema_output_matches_on_both_routes(tiny_url: str, path: str) -> 
         assert choice["finish_reason"] == "stop"
 
 
+def test_a_stream_carries_the_same_json(tiny_url: str) -> None:
+    body = {"model": "tiny", "messages": USER, "response_format": _schema_format(SMALL)}
+    body |= {"max_tokens": 40, "seed": 3}
+    whole = _post(tiny_url, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    api = openai.OpenAI(base_url=tiny_url + "/v1", api_key="x", max_retries=0)
+    stream = api.chat.completions.create(**body, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole["content"] and json.loads(text)["n"] in (1, 2, 3)
+
+
 @pytest.mark.parametrize(
     ("response_format", "field", "expected"),
     [
