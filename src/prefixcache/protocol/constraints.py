@@ -22,8 +22,9 @@ TOOL_CALL_CLOSE = "</tool_call>"
 
 
 def canonical_json(value: object) -> str:
-    """One text per JSON value (sorted keys, no spaces): equal schemas compare equal."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """One text per JSON value as written (no spaces; key order kept: the output follows a
+    schema's property order, as OpenAI's does)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
+from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError, field_path
 from prefixcache.protocol.json_body import load_json
+from prefixcache.protocol.response_format import SCHEMA_FIELD, response_format_constraint
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from prefixcache.server import openai_format
 
@@ -169,6 +172,7 @@ def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> Sa
     _check_room(limit, prompts, ctx.context)
     longest = max(len(p) for p in prompts)
     prompt_logprobs = getattr(body, "prompt_logprob_count", lambda: None)()
+    constraint = _constraint(body, ctx)
     try:
         return SamplingParams(
             n=body.n,
@@ -188,9 +192,22 @@ def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> Sa
             logit_bias=body.bias(),
             logprobs=body.logprob_count(),
             prompt_logprobs=prompt_logprobs,
+            constraint=constraint,
         )
     except ValueError as error:  # a combination out of range (min_tokens > max_tokens, ...)
         raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
+
+
+def _constraint(body: SamplingFields, ctx: PrepareContext) -> Constraint | None:
+    """What the output must match, compiled here (off the event loop; the engine reuses it)."""
+    constraint = response_format_constraint(body.response_format)
+    if constraint is None:
+        return None
+    try:
+        grammar_cache(ctx.tokenizer).compile(constraint)
+    except ValueError as error:
+        raise ApiError(400, f"{SCHEMA_FIELD}: {error}", SCHEMA_FIELD) from None
+    return constraint
 
 
 def _shape(body: SamplingFields, ctx: PrepareContext, chat: bool) -> openai_format.Shape:
