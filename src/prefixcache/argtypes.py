@@ -25,3 +25,25 @@ def positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be > 0")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def share(text: str) -> float:
+    """A fraction in [0, 1] (a usage error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
+    return value
