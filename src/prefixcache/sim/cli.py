@@ -102,14 +102,15 @@ def share_arg(text: str) -> tuple[str, float]:
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     """A cluster: N caches of the first --capacity each, behind the router's policies."""
-    from prefixcache.router.policy import POLICY_NAMES as ROUTING_NAMES
+    from prefixcache.sim.cluster import CLUSTER_POLICY_NAMES as ROUTING_NAMES
 
     parser.add_argument(
         "--replicas", type=positive_int, help="simulate a cluster of N replicas instead"
     )
     parser.add_argument(
         "--routing", nargs="+", choices=ROUTING_NAMES, default=list(ROUTING_NAMES),
-        help="routing policies for --replicas (default: all)",
+        help="routing policies for --replicas (default: all); key-affinity is cache-aware "
+        "keeping each cache_key on one replica, as the router does with prompt_cache_key",
     )  # fmt: skip
     parser.add_argument(
         "--shared-tier", type=positive_int, default=0, metavar="BLOCKS",
