@@ -67,6 +67,13 @@ def test_the_traces_own_marks_apply_by_default() -> None:
     assert ignored.retention_saved_hits == 0  # a TTL of 0 models no retention at all
 
 
+def test_a_prefix_of_n_blocks_retains_only_those() -> None:
+    model = RetentionModel(300, 0.5, prefix_blocks=2)
+    two = replay(flooded(), 8, block_size=BLOCK, retention=model)
+    assert two.hits_per_request[-1] == 2 and two.retention_saved_hits == 2
+    assert two.retention_prefix_blocks == 2
+
+
 def test_the_retention_sweep_has_a_baseline_per_capacity() -> None:
     runs = run_retention_sweep(flooded(), [8], "lru", [0.5, 300], [0.0, 0.5], block_size=BLOCK)
     assert [(r.retention_ttl, r.retention_budget) for r in runs][:1] == [(0.0, 0.5)]
@@ -138,13 +145,21 @@ def test_simulate_sweeps_ttls_and_budgets(tmp_path: Path, capsys) -> None:
                     "--out", str(out_file)) == 0  # fmt: skip
     out = capsys.readouterr().out
     table = out[out.index("retention (") :].splitlines()
+    assert "prefix" in table[1].split()
     assert table[1].split()[:3] == ["capacity", "ttl", "s"]
     assert [row.split()[:3] for row in table[2:5]] == [
         ["8", "none", "-"], ["8", "300", "0"], ["8", "300", "0.5"]
     ]  # fmt: skip
-    assert table[4].split()[5] == "4"  # saved hits
+    assert table[4].split()[6] == "4"  # saved hits
     saved = [run["retention_saved_hits"] for run in json.loads(out_file.read_text())["retention"]]
     assert saved == [0, 0, 4]
+    assert simulate(*argv, "--retention-ttl", "300", "--retain-prefix-blocks", "2", "9") == 0
+    rows = capsys.readouterr().out.split("retention (")[1].splitlines()[2:5]
+    assert [(row.split()[3], row.split()[6]) for row in rows] == [
+        ("-", "0"),
+        ("2", "2"),
+        ("9", "4"),
+    ]
 
 
 def test_simulate_refuses_a_bad_budget_or_ttl(tmp_path: Path, capsys) -> None:

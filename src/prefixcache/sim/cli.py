@@ -53,13 +53,18 @@ def _add_retention_options(parser: argparse.ArgumentParser) -> None:
     """Retention on a trace that has none: which TTL and budget pay."""
     parser.add_argument(
         "--retention-ttl", type=non_negative_seconds, nargs="+", default=[], metavar="SECONDS",
-        help="also replay (first --policy) with every whole prompt retained SECONDS, each "
+        help="also replay (first --policy) with every prompt retained SECONDS, each "
         "TTL x --retention-budget beside no retention: hit rates, saved hits, evictions, "
         "refusals (300 is OpenAI's in_memory, 86400 its 24h)",
     )  # fmt: skip
     parser.add_argument(
         "--retention-budget", type=share, nargs="+", default=[0.5], metavar="SHARE",
         help="each tenant's share of the pool it may retain (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retain-prefix-blocks", type=positive_int, nargs="+", metavar="N",
+        help="mark only each prompt's first N blocks (Mooncake: ids), each N a row "
+        "(default: the whole prompt)",
     )  # fmt: skip
 
 
@@ -220,7 +225,8 @@ def _retention(trace: Trace, report: SweepReport, args: argparse.Namespace) -> N
 
     if not args.retention_ttl:
         return
-    runs = 1 + len(args.retention_ttl) * len(args.retention_budget)
+    prefixes = args.retain_prefix_blocks or [None]
+    runs = 1 + len(args.retention_ttl) * len(args.retention_budget) * len(prefixes)
     total = len(trace.requests) * len(set(args.capacity)) * runs
     with progress_bar(total, args.quiet) as progress:
         report.retention = run_retention_sweep(
@@ -229,6 +235,7 @@ def _retention(trace: Trace, report: SweepReport, args: argparse.Namespace) -> N
             args.policy[0],
             list(args.retention_ttl),
             list(args.retention_budget),
+            prefixes,
             block_size=args.block_size,
             progress=progress,
         )

@@ -13,7 +13,8 @@ With ``owner_shares`` the pool is tenant-fair and each request's tenant is its o
 
 Retention: the cache's clock follows the trace's timestamps (ms -> s), and after a request's
 prompt is cached its retention marks are applied with ``retain`` (its tenant the owner):
-the trace's own, or, with a ``RetentionModel`` TTL, one mark over every whole prompt.
+the trace's own, or, with a ``RetentionModel`` TTL, one mark over every whole prompt (or
+over its first ``prefix_blocks`` blocks).
 """
 
 from __future__ import annotations
@@ -34,21 +35,22 @@ IN_MEMORY_SECONDS = 300.0  # OpenAI's "in_memory" retention; a longer TTL is the
 
 @dataclass(frozen=True, slots=True)
 class RetentionModel:
-    """How a replay retains: ``ttl_seconds`` marks every whole prompt (None: the trace's own
-    marks; 0: no retention at all); ``budget`` is each owner's share of the pool."""
+    """How a replay retains: ``ttl_seconds`` marks every whole prompt, or its first
+    ``prefix_blocks`` blocks (None: the trace's own marks; 0: no retention at all);
+    ``budget`` is each owner's share of the pool."""
 
     ttl_seconds: float | None = None
     budget: float = DEFAULT_SHARE
+    prefix_blocks: int | None = None
 
-    def marks(self, request: MooncakeRequest | TokenRequest) -> list[Mark]:
-        """The marks to apply after ``request`` is cached."""
+    def marks(self, request: MooncakeRequest | TokenRequest, length: int, block: int) -> list[Mark]:
+        """The marks for a cached prompt of ``length`` tokens, ``block`` tokens per block."""
         if self.ttl_seconds is None:
             return request.retention
         if self.ttl_seconds <= 0:
             return []
-        length = (
-            request.input_length if isinstance(request, MooncakeRequest) else len(request.token_ids)
-        )
+        if self.prefix_blocks is not None:
+            length = min(length, self.prefix_blocks * block)
         return [Mark(length, self.ttl_seconds)]
 
 
@@ -67,6 +69,7 @@ class ReplayResult:
     evictions: int = 0
     retention_ttl: float | None = None  # the model's TTL (None: the trace's marks)
     retention_budget: float = DEFAULT_SHARE
+    retention_prefix_blocks: int | None = None  # the model's prefix (None: whole prompts)
     retained_blocks: int = 0  # blocks retain() marked (summed over requests)
     retention_refused: int = 0
     retention_expired: int = 0
@@ -126,6 +129,7 @@ def replay(
     )  # fmt: skip
     result = ReplayResult(capacity, policy, index, fair=owner_shares is not None)
     result.retention_ttl, result.retention_budget = retention.ttl_seconds, retention.budget
+    result.retention_prefix_blocks = retention.prefix_blocks
     step = _replay_mooncake if trace.kind == "mooncake" else _replay_tokens
     start = time.perf_counter()
     for number, request in enumerate(trace.requests):
@@ -174,7 +178,7 @@ def _retain(
         unit, length = request.block_size or MOONCAKE_BLOCK_TOKENS, request.input_length
     else:
         unit, length = 1, len(request.token_ids)
-    for mark in retention.marks(request):
+    for mark in retention.marks(request, length, unit * manager.block_size):
         tokens = seq.num_tokens if mark.num_tokens >= length else mark.num_tokens // unit
         klass = "5m" if mark.ttl_seconds <= IN_MEMORY_SECONDS else "24h"
         retained = manager.retain(seq, tokens, mark.ttl_seconds, klass, request.tenant)

@@ -97,15 +97,17 @@ def format_report(report: SweepReport) -> str:
 def format_retention(runs: list[ReplayResult]) -> str:
     """One row per capacity x TTL x budget: hit rates, hits retention saved, its costs."""
     header = (
-        f"{'capacity':>9} {'ttl s':>8} {'budget':>6} {'block %':>8} {'token %':>8} "
+        f"{'capacity':>9} {'ttl s':>8} {'budget':>6} {'prefix':>6} {'block %':>8} {'token %':>8} "
         f"{'saved':>8} {'evicted':>8} {'refused':>8} {'expired':>8}"
     )
-    lines = [f"retention (whole prompts marked, policy {runs[0].policy}):", header]
+    lines = [f"retention (prefix: blocks marked per prompt; policy {runs[0].policy}):", header]
     for run in runs:
         ttl = "none" if not run.retention_ttl else f"{run.retention_ttl:g}"
         budget = "-" if not run.retention_ttl else f"{run.retention_budget:g}"
+        prefix = run.retention_prefix_blocks
+        prefix = "-" if not run.retention_ttl else "all" if prefix is None else str(prefix)
         lines.append(
-            f"{run.capacity:>9} {ttl:>8} {budget:>6} {100 * run.block_hit_rate:>8.2f} "
+            f"{run.capacity:>9} {ttl:>8} {budget:>6} {prefix:>6} {100 * run.block_hit_rate:>8.2f} "
             f"{100 * run.token_hit_rate:>8.2f} {run.retention_saved_hits:>8} "
             f"{run.retention_evictions:>8} {run.retention_refused:>8} {run.retention_expired:>8}"
         )

@@ -106,15 +106,22 @@ def run_retention_sweep(
     policy: str,
     ttls: list[float],
     budgets: list[float],
+    prefixes: list[int | None] | None = None,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
 ) -> list[ReplayResult]:
-    """At each capacity: no retention (TTL 0), then every TTL x budget marking whole prompts."""
+    """At each capacity: no retention (TTL 0), then every TTL x budget x prefix (blocks
+    marked per prompt; None: the whole prompt)."""
     runs = []
     for capacity in sorted(set(capacities)):
         models = [RetentionModel(0.0)]
-        models += [RetentionModel(ttl, budget) for ttl in ttls for budget in budgets]
+        models += [
+            RetentionModel(ttl, budget, prefix)
+            for ttl in ttls
+            for budget in budgets
+            for prefix in prefixes or [None]
+        ]
         for model in models:
             runs.append(
                 replay(
