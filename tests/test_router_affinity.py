@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from prefixcache.router.affinity import KeyAffinity, key_digest, overloaded
+import argparse
+import json
+
+import pytest
+
+from prefixcache.router.affinity import DEFAULT_MAX_KEYS, KeyAffinity, key_digest, overloaded
+from prefixcache.router.cli import add_route_parser, build_config
 from prefixcache.router.index import Overlap
 from prefixcache.router.policy import CacheAware, CacheAwareWeights, Candidate, RoundRobin
+from prefixcache.router.prompts import routing_view
 
 A, B, C = "http://a", "http://b", "http://c"
 K1, K2 = key_digest("alpha", "k1"), key_digest("alpha", "k2")
@@ -84,3 +91,33 @@ def test_the_load_rule_is_the_balance_guard_for_one_replica() -> None:
     assert not overloaded(near[0], near, w)
     relative = [Candidate(A, 40), Candidate(B, 30)]
     assert not overloaded(relative[0], relative, w)
+
+
+def route_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="prefixcache")
+    add_route_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["route", "--replica", "http://a", *argv])
+
+
+def test_the_flag_sizes_the_lru_and_zero_turns_affinity_off(capsys) -> None:
+    config = build_config(route_args("--policy", "round-robin", "--affinity-keys", "7"))
+    assert config.affinity_keys == 7
+    assert build_config(route_args("--policy", "round-robin")).affinity_keys == DEFAULT_MAX_KEYS
+    with pytest.raises(SystemExit):
+        route_args("--affinity-keys", "-1")
+    assert "--affinity-keys: -1 must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ({"prompt_cache_key": "tenant-docs"}, "tenant-docs"),
+        ({"prompt_cache_key": ""}, None),
+        ({"prompt_cache_key": 5}, None),  # the replica refuses it; the router just forwards
+        ({}, None),
+    ],
+)
+def test_the_key_is_read_from_the_body(body: dict, key: str | None) -> None:
+    raw = json.dumps({"model": "m", "prompt": "hi", **body}).encode()
+    assert routing_view(raw, chat=False, tokenizer=None).cache_key == key
+    assert routing_view(raw, chat=True, tokenizer=None).cache_key == key

@@ -6,6 +6,8 @@ affinity can keep later ones in place. The last test kills a replica.
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 
 from prefixcache.router.forward import REPLICA_HEADER
@@ -44,7 +46,8 @@ def post(client: httpx.Client, doc: str, key: str | None, headers=AUTH, path="ch
     return response.headers[REPLICA_HEADER]
 
 
-def test_one_key_stays_on_one_replica_and_keys_spread(cluster: Cluster) -> None:  # noqa: F811
+def test_one_key_stays_on_one_replica_and_keys_spread(cluster: Cluster, caplog) -> None:  # noqa: F811
+    caplog.set_level(logging.INFO, logger="prefixcache.router")
     with (
         running_router(cluster.config("round-robin")) as (url, state),
         httpx.Client(base_url=url, timeout=30) as client,
@@ -63,6 +66,7 @@ def test_one_key_stays_on_one_replica_and_keys_spread(cluster: Cluster) -> None:
         metrics = client.get("/metrics", headers=AUTH).text
         assert 'prefixcache_router_key_affinity_total{outcome="kept"} 9.0' in metrics
         assert "secret-key" not in metrics
+    assert "reason=affinity" in caplog.text and "secret-key" not in caplog.text
 
 
 def test_affinity_off_ignores_keys(cluster: Cluster) -> None:  # noqa: F811
