@@ -145,7 +145,7 @@ def test_the_router_tokenizes_as_the_replica_does(cluster: Cluster) -> None:
     tok = cluster.tokenizer
     body = chat("emu", "Which?", cache_salt="mine", stream=True)
     view = routing_view(json.dumps(body).encode(), True, tok)
-    assert view == (True, "mine", tok.encode_chat(body["messages"]))
+    assert view == (True, "mine", tok.encode_chat(body["messages"]), None)  # no cache key
     parts = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
     assert routing_view(json.dumps(parts).encode(), True, tok).token_ids == tok.encode_chat(
         [{"role": "user", "content": "a"}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prefixcache.sim.cluster import ServiceModel, simulate_cluster
@@ -64,3 +65,26 @@ def test_the_table_and_the_plot(tmp_path):
     assert "cache-aware" in lines[2] and "round-robin" in lines[3]
     plot_replicas(sweep, tmp_path / "replicas.png", "hand-made")
     assert (tmp_path / "replicas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_key_affinity_keeps_a_key_on_one_replica_where_cache_aware_spreads():
+    # Six different prompts, one cache_key: nothing shared, so cache-aware's ties rotate,
+    # while key affinity (the router's own rule) keeps the key where it first went.
+    requests = [
+        MooncakeRequest(index * 10_000.0, 512, 4, [100 + index], cache_key=5) for index in range(6)
+    ]
+    keyed = Trace(Path("hand-made"), "mooncake", requests)
+    spread = simulate_cluster(keyed, 2, 10, "cache-aware")
+    assert spread.per_replica == [3, 3]
+    kept = simulate_cluster(keyed, 2, 10, "key-affinity")
+    assert sorted(kept.per_replica) == [0, 6] and kept.affinity_kept == 5
+    unkeyed = Trace(Path("hand-made"), "mooncake", [replace(r, cache_key=None) for r in requests])
+    assert simulate_cluster(unkeyed, 2, 10, "key-affinity").per_replica == [3, 3]
+
+
+def test_key_affinity_yields_to_load():
+    # Back-to-back long requests with one key: the key's replica fills up, the key moves.
+    requests = [MooncakeRequest(float(i), 512, 2000, [200 + i], cache_key=1) for i in range(40)]
+    keyed = Trace(Path("hand-made"), "mooncake", requests)
+    result = simulate_cluster(keyed, 2, 50, "key-affinity")
+    assert min(result.per_replica) > 0 and result.affinity_kept < 39

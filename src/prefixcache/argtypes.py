@@ -27,6 +27,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def unit_share(text: str) -> float:
     """A share in [0, 1] (a usage error otherwise)."""
     try:

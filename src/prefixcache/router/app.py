@@ -27,6 +27,7 @@ from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import install_front
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.router.affinity import DEFAULT_MAX_KEYS, KeyAffinity
 from prefixcache.router.feed import FeedStats
 from prefixcache.router.forward import Forwarder
 from prefixcache.router.index import GlobalIndex
@@ -59,6 +60,7 @@ class RouterConfig:
     use_events: bool = True
     limits: Limits = field(default_factory=Limits)  # the front's, as on a replica
     max_pending: int = DEFAULT_MAX_PENDING
+    affinity_keys: int = DEFAULT_MAX_KEYS  # prompt_cache_keys remembered; 0: no key affinity
 
 
 @dataclass(slots=True)
@@ -92,7 +94,10 @@ class RouterState:
             metrics_headers=config.tenants.admin_headers(),
         )
         metrics = RouterMetrics(fleet)
-        router = Router(fleet, index, config.policy, metrics, config.expect_grace_s)
+        affinity = None
+        if config.affinity_keys > 0:
+            affinity = KeyAffinity.for_policy(config.policy, config.affinity_keys)
+        router = Router(fleet, index, config.policy, metrics, config.expect_grace_s, affinity)
         forwarder = Forwarder(client, router, fleet, metrics)
         tenants = config.tenants
         share = None if tenants.local else config.limits.tenant_share(config.max_pending)

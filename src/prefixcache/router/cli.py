@@ -6,9 +6,10 @@ import argparse
 import logging
 import sys
 
-from prefixcache.argtypes import positive_int
+from prefixcache.argtypes import non_negative_int, positive_int
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
+from prefixcache.router.affinity import DEFAULT_MAX_KEYS
 from prefixcache.router.policy import (
     DEFAULT_BALANCE_ABS,
     DEFAULT_BALANCE_REL,
@@ -79,6 +80,11 @@ def _add_tuning(route: argparse.ArgumentParser) -> None:
         help="seconds between checks",
     )
     route.add_argument("--health-timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT_S)
+    route.add_argument(
+        "--affinity-keys", type=non_negative_int, default=DEFAULT_MAX_KEYS, metavar="N",
+        help="prompt_cache_keys (per tenant) kept on their replica, least recent forgotten "
+        "first; 0 turns key affinity off (default: %(default)s)",
+    )  # fmt: skip
     add_health_log_flag(route)
 
 
@@ -111,6 +117,7 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
         health_timeout_s=args.health_timeout,
         limits=limits_from(args),
         max_pending=args.max_pending,
+        affinity_keys=args.affinity_keys,
     )
 
 

@@ -128,12 +128,14 @@ class Forwarder:
         digests: Sequence[bytes],
         stream: bool,
         route: RouteLog,
+        key: bytes | None = None,
     ) -> Response:
-        """The replica's answer; 503 (an OpenAI error) when no replica could take it."""
+        """The replica's answer; 503 (an OpenAI error) when no replica could take it.
+        ``key``: the request's affinity key (an opaque digest), if it has one."""
         tried: list[str] = []
         reason: str | None = None  # None: no replica to try (then the fleet says why)
         for attempt in range(MAX_ATTEMPTS):
-            ticket = self.router.dispatch(digests, exclude=tried)
+            ticket = self.router.dispatch(digests, exclude=tried, key=key)
             if ticket is None:
                 break
             tried.append(ticket.url)

@@ -80,6 +80,13 @@ class RouterMetrics:
             ["source"],
             registry=self.registry,
         )
+        self.affinity = Counter(
+            "prefixcache_router_key_affinity",
+            "Requests with a prompt_cache_key: kept on the key's replica (affinity-routed), "
+            "first of their key, or moved (the replica was overloaded or unavailable)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.aborted_reads = Counter(
             "prefixcache_router_aborted_reads",
             "Requests whose client left before its body arrived (never forwarded)",

@@ -1,4 +1,5 @@
-"""What routing needs from a request body: stream or not, the client salt, the prompt's token ids.
+"""What routing needs from a request body: stream or not, the client salt, the prompt's
+``prompt_cache_key`` (key affinity), the prompt's token ids.
 
 The replica is the authority on what it accepts: the router refuses only a body the
 replica's strict JSON parser refuses (``protocol/json_body.load_json``: the same 400s,
@@ -27,6 +28,7 @@ class RoutingView(NamedTuple):
     stream: bool
     cache_salt: str | None
     token_ids: list[int] | None
+    cache_key: str | None = None  # ``prompt_cache_key``: never logged (routes digest it)
 
 
 def routing_view(raw: bytes, chat: bool, tokenizer: Tokenizer | None) -> RoutingView:
@@ -36,10 +38,12 @@ def routing_view(raw: bytes, chat: bool, tokenizer: Tokenizer | None) -> Routing
     salt = data.get("cache_salt")
     stream = data.get("stream") is True
     salt = salt if isinstance(salt, str) else None
+    key = data.get("prompt_cache_key")
+    key = key if isinstance(key, str) and key else None
     if tokenizer is None:
-        return RoutingView(stream, salt, None)
+        return RoutingView(stream, salt, None, key)
     ids = chat_ids(data, tokenizer) if chat else completion_ids(data, tokenizer)
-    return RoutingView(stream, salt, ids)
+    return RoutingView(stream, salt, ids, key)
 
 
 def chat_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:

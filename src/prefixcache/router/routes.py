@@ -23,6 +23,7 @@ from prefixcache.protocol.front import get_and_head
 from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.openapi import json_body, responses
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.router.affinity import key_digest
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.forward import RouteLog
 from prefixcache.router.prompts import RoutingView, routing_view
@@ -135,7 +136,8 @@ async def _complete(state: RouterState, request: Request, chat: bool) -> Respons
     tokens = None if view.token_ids is None else len(view.token_ids)
     route = RouteLog("chat" if chat else "completions", tokens, len(digests))
     path = CHAT if chat else COMPLETIONS
-    return await state.forwarder.forward(request, path, raw, digests, view.stream, route)
+    key = None if view.cache_key is None else key_digest(tenant.name, view.cache_key)
+    return await state.forwarder.forward(request, path, raw, digests, view.stream, route, key)
 
 
 def _digests(

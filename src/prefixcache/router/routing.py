@@ -2,7 +2,9 @@
 
 ``dispatch`` counts the request as in flight on the chosen replica (the load the next
 decision sees at once) and, for ``cache-aware``, credits the replica with the prompt's
-blocks until its events confirm them; ``release`` undoes both when the request ends.
+blocks until its events confirm them; ``release`` undoes both when the request ends. A
+request with a key (a digest of its tenant and ``prompt_cache_key``) goes through the key
+affinity (``router/affinity.py``) first.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from prefixcache.router.affinity import KeyAffinity
 from prefixcache.router.index import Expectation, GlobalIndex, Overlap
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import Candidate, Choice, RoutingPolicy
@@ -42,9 +45,11 @@ class Router:
         policy: RoutingPolicy,
         metrics: RouterMetrics,
         expect_grace_s: float = DEFAULT_EXPECT_GRACE_S,
+        affinity: KeyAffinity | None = None,
     ) -> None:
         self.fleet, self.index, self.policy, self.metrics = fleet, index, policy, metrics
         self.expect_grace_s = expect_grace_s
+        self.affinity = affinity  # None: keys are ignored
 
     def candidates(
         self, digests: Sequence[bytes], exclude: Collection[str] = ()
@@ -59,17 +64,29 @@ class Router:
             if r.url not in exclude
         ]
 
-    def dispatch(self, digests: Sequence[bytes], exclude: Collection[str] = ()) -> Ticket | None:
+    def dispatch(
+        self, digests: Sequence[bytes], exclude: Collection[str] = (), key: bytes | None = None
+    ) -> Ticket | None:
         """Choose a replica and count the request on it; None if no replica is left."""
         candidates = self.candidates(digests, exclude)
         if not candidates:
             return None
-        choice = self.policy.choose(digests, candidates)
+        choice = self._choose(digests, candidates, key)
         replica = self.fleet.replicas[choice.url]
         replica.in_flight += 1
         expectation = self.index.expect(choice.url, digests) if self.policy.uses_overlap else None
         self._count(choice, len(digests))
         return Ticket(replica, choice, expectation)
+
+    def _choose(
+        self, digests: Sequence[bytes], candidates: list[Candidate], key: bytes | None
+    ) -> Choice:
+        """The policy's choice, through the key affinity when the request has a key."""
+        if key is None or self.affinity is None:
+            return self.policy.choose(digests, candidates)
+        choice, outcome = self.affinity.choose(key, self.policy, digests, candidates)
+        self.metrics.affinity.labels(outcome).inc()
+        return choice
 
     def release(self, ticket: Ticket, ok: bool) -> None:
         """The request ended: no longer in flight; its expectation fades (at once if it failed)."""

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prefixcache.argtypes import positive_int
+from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import INDEX_NAMES
 from prefixcache.cache.policies import POLICY_NAMES
@@ -44,8 +44,39 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument("--plot", help="write hit rate vs capacity to a PNG")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tenant_options(parser)
+    _add_retention_options(parser)
     _add_cluster_options(parser)
     return parser
+
+
+def _add_retention_options(parser: argparse.ArgumentParser) -> None:
+    """Retention on a trace that has none: which TTL and budget pay."""
+    parser.add_argument(
+        "--retention-ttl", type=non_negative_seconds, nargs="+", default=[], metavar="SECONDS",
+        help="also replay (first --policy) with every prompt retained SECONDS, each "
+        "TTL x --retention-budget beside no retention: hit rates, saved hits, evictions, "
+        "refusals (300 is OpenAI's in_memory, 86400 its 24h)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retention-budget", type=unit_share, nargs="+", default=[0.5], metavar="SHARE",
+        help="each tenant's share of the pool it may retain (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retain-prefix-blocks", type=positive_int, nargs="+", metavar="N",
+        help="mark only each prompt's first N blocks (Mooncake: ids), each N a row "
+        "(default: the whole prompt)",
+    )  # fmt: skip
+
+
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
 
 
 def _add_tenant_options(parser: argparse.ArgumentParser) -> None:
@@ -76,14 +107,15 @@ def share_arg(text: str) -> tuple[str, float]:
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     """A cluster: N caches of the first --capacity each, behind the router's policies."""
-    from prefixcache.router.policy import POLICY_NAMES as ROUTING_NAMES
+    from prefixcache.sim.cluster import CLUSTER_POLICY_NAMES as ROUTING_NAMES
 
     parser.add_argument(
         "--replicas", type=positive_int, help="simulate a cluster of N replicas instead"
     )
     parser.add_argument(
         "--routing", nargs="+", choices=ROUTING_NAMES, default=list(ROUTING_NAMES),
-        help="routing policies for --replicas (default: all)",
+        help="routing policies for --replicas (default: all); key-affinity is cache-aware "
+        "keeping each cache_key on one replica, as the router does with prompt_cache_key",
     )  # fmt: skip
     parser.add_argument(
         "--shared-tier", type=positive_int, default=0, metavar="BLOCKS",
@@ -161,6 +193,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.recommend:
         print(format_recommendations(report, args.capacity, args.index[0]))
     _fairness(trace, report, args)
+    _retention(trace, report, args)
     _write_outputs(report, args)
     return 0 if reporting.same_hits(report) else 1
 
@@ -183,6 +216,30 @@ def _fairness(trace: Trace, report: SweepReport, args: argparse.Namespace) -> No
         rows = run_fairness(trace, shared, shares, block_size=args.block_size, progress=progress)
     print(format_fairness(rows, tenants, shares))
     report.fairness = [row.as_dict() for row in rows]
+
+
+def _retention(trace: Trace, report: SweepReport, args: argparse.Namespace) -> None:
+    """With --retention-ttl: each --capacity x TTL x budget, and the retention table."""
+    from prefixcache.sim import report as reporting
+    from prefixcache.sim.sweep import run_retention_sweep
+
+    if not args.retention_ttl:
+        return
+    prefixes = args.retain_prefix_blocks or [None]
+    runs = 1 + len(args.retention_ttl) * len(args.retention_budget) * len(prefixes)
+    total = len(trace.requests) * len(set(args.capacity)) * runs
+    with progress_bar(total, args.quiet) as progress:
+        report.retention = run_retention_sweep(
+            trace,
+            list(args.capacity),
+            args.policy[0],
+            list(args.retention_ttl),
+            list(args.retention_budget),
+            prefixes,
+            block_size=args.block_size,
+            progress=progress,
+        )
+    print(reporting.format_retention(report.retention))
 
 
 def _write_outputs(report: SweepReport, args: argparse.Namespace) -> None:

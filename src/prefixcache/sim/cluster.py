@@ -8,6 +8,10 @@ request keeps its replica busy for ``fixed + computed prompt tokens x prefill +
 output tokens x decode`` seconds, and a replica's load is the requests it is serving. A
 shared tier (``shared_tier`` blocks, one more cache that every request also goes through)
 credits the blocks after a replica's own hit at ``tier_weight``, as the router does.
+
+``key-affinity`` is what the router does with a ``prompt_cache_key``: cache-aware, through
+the router's own ``KeyAffinity`` on each request's ``cache_key`` (requests without one are
+routed by cache-aware alone).
 """
 
 from __future__ import annotations
@@ -18,10 +22,41 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
+from prefixcache.router.affinity import KeyAffinity
 from prefixcache.router.index import Overlap
-from prefixcache.router.policy import Candidate, RoutingPolicy, make_policy
+from prefixcache.router.policy import POLICY_NAMES, CacheAware, Candidate, make_policy
 from prefixcache.sim.replay import check_capacity, replay
 from prefixcache.sim.traces import MooncakeRequest, TokenRequest, Trace
+
+KEY_AFFINITY = "key-affinity"
+CLUSTER_POLICY_NAMES = (*POLICY_NAMES, KEY_AFFINITY)
+
+
+class _Routing:
+    """A router's decision: one of its policies, or cache-aware behind key affinity."""
+
+    def __init__(self, name: str) -> None:
+        self.affinity: KeyAffinity | None = None
+        if name == KEY_AFFINITY:
+            self.policy = make_policy(CacheAware.name)
+            self.affinity = KeyAffinity.for_policy(self.policy)
+        else:
+            self.policy = make_policy(name)
+        self.kept = 0  # requests affinity sent to their key's replica
+
+    def choose(
+        self,
+        request: MooncakeRequest | TokenRequest,
+        digests: Sequence[bytes],
+        candidates: Sequence[Candidate],
+    ) -> str:
+        """The chosen replica's URL."""
+        if self.affinity is None:
+            return self.policy.choose(digests, candidates).url
+        key = None if request.cache_key is None else request.cache_key.to_bytes(8, "big")
+        choice, outcome = self.affinity.choose(key, self.policy, digests, candidates)
+        self.kept += outcome == "kept"
+        return choice.url
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +86,7 @@ class ClusterResult:
     hit_blocks: int = 0  # from the chosen replica's pool
     tier_blocks: int = 0  # from the shared tier, after the pool's hit
     ideal_hit_rate: float = 0.0  # one cache of replicas x capacity blocks
+    affinity_kept: int = 0  # key-affinity: requests sent to their key's replica
     per_replica: list[int] = field(default_factory=list)  # requests routed to each
 
     @property
@@ -95,13 +131,14 @@ def simulate_cluster(
     size = 1 if trace.kind == "mooncake" else block_size
     nodes = [_Replica(f"replica-{i}", capacity, size) for i in range(replicas)]
     tier = KVCacheManager(shared_tier, size) if shared_tier else None
-    router = make_policy(policy)
+    router = _Routing(policy)
     result = ClusterResult(policy, replicas, capacity, per_replica=[0] * replicas)
     ordered = sorted(enumerate(trace.requests), key=lambda item: item[1].timestamp)
     for number, request in ordered:
         _route_one(str(number), request, nodes, tier, router, result, service or ServiceModel())
     ideal = replay(trace, capacity * replicas, block_size=block_size)
     result.ideal_hit_rate = ideal.block_hit_rate
+    result.affinity_kept = router.kept
     return result
 
 
@@ -110,7 +147,7 @@ def _route_one(
     request: MooncakeRequest | TokenRequest,
     nodes: Sequence[_Replica],
     tier: KVCacheManager | None,
-    router: RoutingPolicy,
+    router: _Routing,
     result: ClusterResult,
     service: ServiceModel,
 ) -> None:
@@ -123,8 +160,8 @@ def _route_one(
         pool = _blocks(node.manager, ids, salt, cap)
         overlap = Overlap(pool, max(0, tier_match - pool))
         candidates.append(Candidate(node.url, float(node.load(now)), overlap))
-    digests = [str(i).encode() for i in ids] if router.uses_digests else []
-    url = router.choose(digests, candidates).url
+    digests = [str(i).encode() for i in ids] if router.policy.uses_digests else []
+    url = router.choose(request, digests, candidates)
     chosen = next(node for node in nodes if node.url == url)
     pool_hit = _serve(chosen.manager, request_id, ids, salt, cap)
     if tier is not None:

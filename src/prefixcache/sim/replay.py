@@ -10,6 +10,11 @@ Our token-id format replays with the engine's rules: the cap is on, the prompt i
 committed, the output tokens are appended and committed, then the request is freed.
 
 With ``owner_shares`` the pool is tenant-fair and each request's tenant is its owner.
+
+Retention: the cache's clock follows the trace's timestamps (ms -> s), and after a request's
+prompt is cached its retention marks are applied with ``retain`` (its tenant the owner):
+the trace's own, or, with a ``RetentionModel`` TTL, one mark over every whole prompt (or
+over its first ``prefix_blocks`` blocks).
 """
 
 from __future__ import annotations
@@ -20,9 +25,33 @@ from dataclasses import asdict, dataclass, field
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
-from prefixcache.sim.traces import MooncakeRequest, TokenRequest, Trace
+from prefixcache.cache.retention import DEFAULT_SHARE
+from prefixcache.cache.sequence import Sequence
+from prefixcache.sim.traces import MOONCAKE_BLOCK_TOKENS, Mark, MooncakeRequest, TokenRequest, Trace
 
 Progress = Callable[[int], None]
+IN_MEMORY_SECONDS = 300.0  # OpenAI's "in_memory" retention; a longer TTL is the "24h" class
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionModel:
+    """How a replay retains: ``ttl_seconds`` marks every whole prompt, or its first
+    ``prefix_blocks`` blocks (None: the trace's own marks; 0: no retention at all);
+    ``budget`` is each owner's share of the pool."""
+
+    ttl_seconds: float | None = None
+    budget: float = DEFAULT_SHARE
+    prefix_blocks: int | None = None
+
+    def marks(self, request: MooncakeRequest | TokenRequest, length: int, block: int) -> list[Mark]:
+        """The marks for a cached prompt of ``length`` tokens, ``block`` tokens per block."""
+        if self.ttl_seconds is None:
+            return request.retention
+        if self.ttl_seconds <= 0:
+            return []
+        if self.prefix_blocks is not None:
+            length = min(length, self.prefix_blocks * block)
+        return [Mark(length, self.ttl_seconds)]
 
 
 @dataclass(slots=True)
@@ -38,6 +67,14 @@ class ReplayResult:
     tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0
     evictions: int = 0
+    retention_ttl: float | None = None  # the model's TTL (None: the trace's marks)
+    retention_budget: float = DEFAULT_SHARE
+    retention_prefix_blocks: int | None = None  # the model's prefix (None: whole prompts)
+    retained_blocks: int = 0  # blocks retain() marked (summed over requests)
+    retention_refused: int = 0
+    retention_expired: int = 0
+    retention_evictions: int = 0
+    retention_saved_hits: int = 0
     peak_usage: float = 0.0  # largest share of the pool held by live requests
     peak_cached_blocks: int = 0  # most blocks indexed at once
     wall_seconds: float = 0.0
@@ -75,21 +112,29 @@ def replay(
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
     owner_shares: Mapping[str, float] | None = None,
+    retention: RetentionModel | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` at ``capacity`` blocks; ``block_size`` applies to token traces only.
 
     ``owner_shares`` (``{}``: equal) replays through a fair pool, tenants as owners.
+    ``retention`` (default: the trace's marks, the default budget) says what is retained.
     """
     check_capacity(trace, capacity, block_size)
     size = 1 if trace.kind == "mooncake" else block_size
+    retention = retention or RetentionModel()
+    now = [0.0]  # the trace's clock, seconds
     manager = KVCacheManager(
-        capacity, size, eviction_policy=policy, index=index, owner_shares=owner_shares
-    )
+        capacity, size, eviction_policy=policy, index=index, owner_shares=owner_shares,
+        clock=lambda: now[0], retention_budget=retention.budget,
+    )  # fmt: skip
     result = ReplayResult(capacity, policy, index, fair=owner_shares is not None)
+    result.retention_ttl, result.retention_budget = retention.ttl_seconds, retention.budget
+    result.retention_prefix_blocks = retention.prefix_blocks
     step = _replay_mooncake if trace.kind == "mooncake" else _replay_tokens
     start = time.perf_counter()
     for number, request in enumerate(trace.requests):
-        step(manager, str(number), request, result)
+        now[0] = request.timestamp / 1000
+        step(manager, str(number), request, result, retention)
         cached = len(manager.pool.cached)
         if cached > result.peak_cached_blocks:
             result.peak_cached_blocks = cached
@@ -108,11 +153,44 @@ def _finish(result: ReplayResult, manager: KVCacheManager) -> None:
     assert manager.num_free_blocks == manager.num_blocks, "the replay leaked blocks"
     result.requests = manager.stats.requests
     result.evictions = manager.stats.evictions
+    stats = manager.stats
+    result.retention_refused, result.retention_expired = (
+        stats.retention_refused,
+        stats.retention_expired,
+    )
+    result.retention_evictions = stats.retention_evictions
+    result.retention_saved_hits = stats.retention_saved_hits
     result.peak_usage = 1.0 - manager.stats.min_free_blocks / manager.num_blocks
 
 
+def _retain(
+    manager: KVCacheManager,
+    seq: Sequence,
+    request: MooncakeRequest | TokenRequest,
+    retention: RetentionModel,
+    result: ReplayResult,
+) -> None:
+    """Apply the request's marks to its cached ``seq`` (its tenant the owner).
+
+    A Mooncake mark covers whole ids (512 tokens, or ``block_size`` for captured traces),
+    the partial last one only when it covers the whole input."""
+    if isinstance(request, MooncakeRequest):
+        unit, length = request.block_size or MOONCAKE_BLOCK_TOKENS, request.input_length
+    else:
+        unit, length = 1, len(request.token_ids)
+    for mark in retention.marks(request, length, unit * manager.block_size):
+        tokens = seq.num_tokens if mark.num_tokens >= length else mark.num_tokens // unit
+        klass = "5m" if mark.ttl_seconds <= IN_MEMORY_SECONDS else "24h"
+        retained = manager.retain(seq, tokens, mark.ttl_seconds, klass, request.tenant)
+        result.retained_blocks += retained
+
+
 def _replay_mooncake(
-    manager: KVCacheManager, request_id: str, request: MooncakeRequest, result: ReplayResult
+    manager: KVCacheManager,
+    request_id: str,
+    request: MooncakeRequest,
+    result: ReplayResult,
+    retention: RetentionModel,
 ) -> None:
     """Look up every block (no cap), cache them all, free."""
     ids = request.hash_ids
@@ -124,6 +202,7 @@ def _replay_mooncake(
     seq = manager.admit(request_id, ids, cap_last_token=False, owner=request.tenant)
     assert seq is not None, "a sequential replay always has the whole pool free"
     manager.commit(seq, len(ids))
+    _retain(manager, seq, request, retention, result)
     manager.free(seq)
     hit = request.usable_hits(seq.num_cached_tokens)
     result.blocks += len(ids)
@@ -134,13 +213,19 @@ def _replay_mooncake(
 
 
 def _replay_tokens(
-    manager: KVCacheManager, request_id: str, request: TokenRequest, result: ReplayResult
+    manager: KVCacheManager,
+    request_id: str,
+    request: TokenRequest,
+    result: ReplayResult,
+    retention: RetentionModel,
 ) -> None:
-    """The engine's rules: capped lookup, prompt committed, outputs appended and committed."""
+    """The engine's rules: capped lookup, prompt committed (and retained), outputs appended
+    and committed."""
     prompt = request.token_ids
     seq = manager.admit(request_id, prompt, cache_salt=request.cache_salt, owner=request.tenant)
     assert seq is not None, "a sequential replay always has the whole pool free"
     manager.commit(seq, len(prompt))
+    _retain(manager, seq, request, retention, result)
     outputs = request.output_token_ids
     room = (len(seq.blocks) + manager.num_free_blocks) * manager.block_size - len(prompt)
     if outputs[:room] and manager.append(seq, outputs[:room]):

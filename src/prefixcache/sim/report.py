@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+from prefixcache.sim.replay import ReplayResult
 from prefixcache.sim.sweep import SweepReport
 
 CSV_FIELDS = [
@@ -93,6 +94,26 @@ def format_report(report: SweepReport) -> str:
     return "\n".join(lines)
 
 
+def format_retention(runs: list[ReplayResult]) -> str:
+    """One row per capacity x TTL x budget: hit rates, hits retention saved, its costs."""
+    header = (
+        f"{'capacity':>9} {'ttl s':>8} {'budget':>6} {'prefix':>6} {'block %':>8} {'token %':>8} "
+        f"{'saved':>8} {'evicted':>8} {'refused':>8} {'expired':>8}"
+    )
+    lines = [f"retention (prefix: blocks marked per prompt; policy {runs[0].policy}):", header]
+    for run in runs:
+        ttl = "none" if not run.retention_ttl else f"{run.retention_ttl:g}"
+        budget = "-" if not run.retention_ttl else f"{run.retention_budget:g}"
+        prefix = run.retention_prefix_blocks
+        prefix = "-" if not run.retention_ttl else "all" if prefix is None else str(prefix)
+        lines.append(
+            f"{run.capacity:>9} {ttl:>8} {budget:>6} {prefix:>6} {100 * run.block_hit_rate:>8.2f} "
+            f"{100 * run.token_hit_rate:>8.2f} {run.retention_saved_hits:>8} "
+            f"{run.retention_evictions:>8} {run.retention_refused:>8} {run.retention_expired:>8}"
+        )
+    return "\n".join(lines)
+
+
 def as_json(report: SweepReport) -> dict:
     """The whole report as plain data."""
     return {
@@ -108,6 +129,7 @@ def as_json(report: SweepReport) -> dict:
             for item in report.optimum
         ],
         **({"fairness": report.fairness} if report.fairness else {}),
+        **({"retention": [run.as_dict() for run in report.retention]} if report.retention else {}),
     }
 
 

@@ -1,4 +1,5 @@
-"""A sweep: every capacity x policy x index replayed, and the optimum at each capacity."""
+"""A sweep: every capacity x policy x index replayed, and the optimum at each capacity; and
+a retention sweep: every capacity x TTL x budget, beside no retention."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.sim.belady import belady_hits, infinite_hits
-from prefixcache.sim.replay import Progress, ReplayResult, block_references, replay
+from prefixcache.sim.replay import (
+    Progress,
+    ReplayResult,
+    RetentionModel,
+    block_references,
+    replay,
+)
 from prefixcache.sim.traces import Trace
 
 
@@ -29,6 +36,7 @@ class SweepReport:
     results: list[ReplayResult] = field(default_factory=list)
     optimum: list[Optimum] = field(default_factory=list)
     fairness: list[dict] = field(default_factory=list)  # ``FairnessRow.as_dict()``, if run
+    retention: list[ReplayResult] = field(default_factory=list)  # ``run_retention_sweep``
 
     def result(self, capacity: int, policy: str, index: str) -> ReplayResult:
         """The replay of one (capacity, policy, index)."""
@@ -90,3 +98,39 @@ def compute_optimum(trace: Trace, capacity: int, block_size: int, run: ReplayRes
     hits = min(belady_hits(block_references(trace, capacity, block_size), capacity), run.blocks)
     seconds = time.perf_counter() - start
     return Optimum(capacity, hits, hits / run.blocks if run.blocks else 0.0, seconds)
+
+
+def run_retention_sweep(
+    trace: Trace,
+    capacities: list[int],
+    policy: str,
+    ttls: list[float],
+    budgets: list[float],
+    prefixes: list[int | None] | None = None,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    progress: Progress | None = None,
+) -> list[ReplayResult]:
+    """At each capacity: no retention (TTL 0), then every TTL x budget x prefix (blocks
+    marked per prompt; None: the whole prompt)."""
+    runs = []
+    for capacity in sorted(set(capacities)):
+        models = [RetentionModel(0.0)]
+        models += [
+            RetentionModel(ttl, budget, prefix)
+            for ttl in ttls
+            for budget in budgets
+            for prefix in prefixes or [None]
+        ]
+        for model in models:
+            runs.append(
+                replay(
+                    trace,
+                    capacity,
+                    policy,
+                    block_size=block_size,
+                    progress=progress,
+                    retention=model,
+                )
+            )
+    return runs

@@ -12,6 +12,10 @@ Ours: ``{"timestamp": ms, "token_ids": [...], "output_token_ids": [...],
 tenants (Mooncake's) can be split into K of them by a hash of each request's first block
 (``split_tenants``): requests that share a first block share a tenant, as a shared system
 prompt would.
+
+Both formats may carry, as ``--trace-out`` writes them, ``"cache_key": id`` (an opaque
+integer per tenant and ``prompt_cache_key``) and ``"retention": [[num_tokens, ttl_seconds],
+...]`` (the request's retention marks: keep its first ``num_tokens`` cached that long).
 """
 
 from __future__ import annotations
@@ -23,10 +27,20 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_ID = 2**32 - 1
-TOKEN_FIELDS = {"timestamp", "token_ids", "output_token_ids", "cache_salt", "tenant"}
+TOKEN_FIELDS = {
+    "timestamp", "token_ids", "output_token_ids", "cache_salt", "tenant", "cache_key", "retention"
+}  # fmt: skip
+
+
+class Mark(NamedTuple):
+    """A retention mark: keep the prompt's first ``num_tokens`` cached ``ttl_seconds``."""
+
+    num_tokens: int
+    ttl_seconds: float
 
 
 @dataclass(slots=True)
@@ -39,6 +53,8 @@ class MooncakeRequest:
     hash_ids: list[int]
     block_size: int | None = None  # set by `--trace-out`: ids of full blocks of this size
     tenant: str | None = None  # set by ``split_tenants``
+    cache_key: int | None = None
+    retention: list[Mark] = field(default_factory=list)
 
     def usable_hits(self, hit_blocks: int) -> int:
         """Hit blocks a server would serve: rule 10's cap applies to captured traces."""
@@ -64,6 +80,8 @@ class TokenRequest:
     output_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     tenant: str | None = None
+    cache_key: int | None = None
+    retention: list[Mark] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,6 +162,36 @@ class _Fields:
                 raise self.fail(name, f"[{position}] = {item!r} is not an integer in [0, 2**32)")
         return value
 
+    def cache_key(self) -> int | None:
+        """``cache_key``: an opaque id, an integer >= 0, or absent."""
+        return self.count("cache_key") if self.record.get("cache_key") is not None else None
+
+    def retention(self, input_length: int) -> list[Mark]:
+        """``retention``: ``[[num_tokens, ttl_seconds], ...]``, tokens in [1, input_length],
+        the TTL a finite number > 0 (seconds)."""
+        value = self.record.get("retention")
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(
+                "retention", f"must be a list of [num_tokens, ttl_seconds], got {value!r}"
+            )
+        return [self._mark(position, item, input_length) for position, item in enumerate(value)]
+
+    def _mark(self, position: int, item: object, input_length: int) -> Mark:
+        name = f"retention[{position}]"
+        if not isinstance(item, list) or len(item) != 2:
+            raise self.fail(name, f"must be [num_tokens, ttl_seconds], got {item!r}")
+        tokens, ttl = item
+        if not _is_int(tokens) or not 1 <= tokens <= input_length:
+            raise self.fail(
+                name, f"num_tokens must be an integer in [1, {input_length}], got {tokens!r}"
+            )
+        number = _is_int(ttl) or isinstance(ttl, float)
+        if not number or not math.isfinite(ttl) or ttl <= 0:
+            raise self.fail(name, f"ttl_seconds must be a finite number > 0, got {ttl!r}")
+        return Mark(tokens, float(ttl))
+
     def optional_str(self, name: str) -> str | None:
         value = self.record.get(name)
         if value is not None and not isinstance(value, str):
@@ -166,6 +214,8 @@ def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
         )
         _check_blocks(fields, request)
         _check_chaining(fields, request.hash_ids, parent_of)
+        request.cache_key = fields.cache_key()
+        request.retention = fields.retention(request.input_length)
         yield request
 
 
@@ -220,12 +270,15 @@ def read_token_trace(path: str | Path) -> Iterator[TokenRequest]:
         unknown = sorted(set(record) - TOKEN_FIELDS)
         if unknown:
             raise fields.fail(unknown[0], f"is not one of {sorted(TOKEN_FIELDS)}")
+        tokens = fields.ids("token_ids")
         yield TokenRequest(
             fields.timestamp(),
-            fields.ids("token_ids"),
+            tokens,
             fields.ids("output_token_ids", required=False),
             fields.optional_str("cache_salt"),
             fields.optional_str("tenant"),
+            fields.cache_key(),
+            fields.retention(len(tokens)),
         )
 
 
