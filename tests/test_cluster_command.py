@@ -116,3 +116,19 @@ def test_a_cluster_routes_restarts_a_dead_replica_and_stops_on_one_ctrl_c(tmp_pa
             for child in cluster.children(recursive=True):
                 child.kill()
             process.kill()
+
+
+def test_the_cluster_passes_the_retention_budget_to_every_replica(tmp_path):
+    import argparse
+
+    from prefixcache.router.cluster import add_cluster_parser, plan_cluster
+
+    parser = argparse.ArgumentParser()
+    add_cluster_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["cluster", "--replicas", "2", "--retention-budget", "0.3"])
+    plan = plan_cluster(args, tmp_path)
+    for replica in plan.replicas:
+        at = replica.command.index("--retention-budget")
+        assert replica.command[at + 1] == "0.3"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["cluster", "--retention-budget", "1.5"])
