@@ -74,6 +74,7 @@ class RequestOutput:
     finished: bool = False
     num_tier_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
     prompt_logprobs: list[Logprob | None] | None = None  # [0] is None: nothing precedes it
+    retained_blocks: tuple[int, ...] = ()  # per retention ask: prompt blocks it retained
 
     @property
     def text(self) -> str:
@@ -109,6 +110,7 @@ class Request:
         self.previous_cache_salt = previous_cache_salt  # a secret rotation: tier reads only
         self.retention = retention  # prompt prefixes to keep cached once computed
         self.num_retained_blocks = 0  # how many of its prompt blocks the pool retained
+        self.retained_blocks = [0] * len(retention)  # the same, per retention ask
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed
@@ -158,6 +160,7 @@ class Request:
             self.finished,
             self.num_tier_tokens,
             self._prompt_logprobs_if_done(),
+            tuple(self.retained_blocks),
         )
 
     def _shown(self, output: CompletionOutput) -> CompletionOutput:
