@@ -12,8 +12,11 @@ import openai
 import pytest
 
 from engine_fixtures import assert_pool_clean, tiny_engine
+from prefixcache.cache.retention import Keep
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import Limits
+from prefixcache.server.app import prepare_context
+from prefixcache.server.messages import prepare_messages
 from server_fixtures import running_server, wait_idle, write_key_file
 
 ALPHA, BETA = "sk-alpha", "sk-beta"
@@ -323,3 +326,24 @@ def test_every_bad_request_is_a_400_naming_its_field(plain_server, change, field
     assert error["error"]["message"].startswith(f"{field}:"), error
     wait_idle(state)
     assert_pool_clean(state.engine)
+
+
+def test_a_breakpoint_keeps_the_tokens_through_the_end_of_its_block():
+    engine = tiny_engine()
+    ctx = prepare_context(engine, "tiny")
+    body = {
+        "model": "tiny", "max_tokens": 2, "system": marked_system(),
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Where?", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": " Now."},
+        ]}],
+    }  # fmt: skip
+    ready = prepare_messages(json.dumps(body).encode(), ctx)
+    tokenizer = engine.tokenizer
+    system_end = tokenizer.encode(f"<|im_start|>system\n{SYSTEM}")
+    user_end = tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhere?")
+    assert ready.retention == (
+        Keep(len(system_end), 3600, "1h"),
+        Keep(len(user_end), 300, "5m"),
+    )
+    assert ready.prompts[0][: len(user_end)] == user_end
