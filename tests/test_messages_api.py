@@ -14,6 +14,7 @@ import pytest
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.cache.retention import Keep
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.errors import error_body
 from prefixcache.protocol.limits import Limits
 from prefixcache.server.app import prepare_context
 from prefixcache.server.messages import prepare_messages
@@ -347,3 +348,19 @@ def test_a_breakpoint_keeps_the_tokens_through_the_end_of_its_block():
         Keep(len(user_end), 300, "5m"),
     )
     assert ready.prompts[0][: len(user_end)] == user_end
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "invalid_request_error"), (401, "authentication_error"),
+        (403, "permission_error"), (404, "not_found_error"), (413, "invalid_request_error"),
+        (429, "rate_limit_error"), (503, "overloaded_error"), (500, "api_error"),
+    ],
+)  # fmt: skip
+def test_errors_take_anthropics_shape_on_its_route_and_openais_elsewhere(status, kind):
+    assert error_body(status, "no", "field", "/v1/messages") == {
+        "type": "error",
+        "error": {"type": kind, "message": "no"},
+    }
+    assert error_body(status, "no", "field", "/v1/chat/completions")["error"]["param"] == "field"
