@@ -4,7 +4,9 @@ a real server on loopback: responses, streaming, auth and errors in Anthropic's 
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import replace
 
 import anthropic
 import httpx
@@ -364,3 +366,22 @@ def test_errors_take_anthropics_shape_on_its_route_and_openais_elsewhere(status,
         "error": {"type": kind, "message": "no"},
     }
     assert error_body(status, "no", "field", "/v1/chat/completions")["error"]["param"] == "field"
+
+
+def test_breakpoints_are_found_under_a_template_that_trims_the_content():
+    engine = tiny_engine()
+    tokenizer = copy.copy(engine.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    tokenizer._template = None
+    ctx = replace(prepare_context(engine, "tiny"), tokenizer=tokenizer)
+    body = {
+        "model": "tiny", "max_tokens": 2,
+        "system": [{"type": "text", "text": "  Be brief.  ", "cache_control": ONE_HOUR}],
+        "messages": [{"role": "user", "content": "Hi"}],
+    }  # fmt: skip
+    ready = prepare_messages(json.dumps(body).encode(), ctx)
+    through = tokenizer.encode("<|im_start|>system\nBe brief.")
+    assert ready.retention == (Keep(len(through), 3600, "1h"),)

@@ -93,14 +93,27 @@ def _insert_marks(content: str, cuts: list[int]) -> str:
 
 
 def _searched_ends(text: str, turns: list[Turn], marks: list[Breakpoint]) -> list[int]:
-    """Breakpoints found by searching each turn's content in order (templates that rewrite
-    content); the breakpoints of a turn not found retain nothing."""
-    starts, cursor = [], 0
+    """Breakpoints found by searching each turn's content, in order, as written or
+    stripped (templates that trim content); the breakpoints of a turn not found retain
+    nothing."""
+    found: list[tuple[int, int, int] | None] = []  # start, characters stripped, length
+    cursor = 0
     for turn in turns:
+        stripped = turn.content.strip()
+        lead = len(turn.content) - len(turn.content.lstrip())
         at = text.find(turn.content, cursor) if turn.content else -1
-        starts.append(at if at >= 0 else None)
-        cursor = at + len(turn.content) if at >= 0 else cursor
-    return [0 if starts[m.turn] is None else starts[m.turn] + m.chars for m in marks]
+        where = (at, 0, len(turn.content)) if at >= 0 else None
+        if where is None and stripped:
+            at = text.find(stripped, cursor)
+            where = (at, lead, len(stripped)) if at >= 0 else None
+        found.append(where)
+        cursor = where[0] + where[2] if where else cursor
+    ends = []
+    for mark in marks:
+        where = found[mark.turn]
+        inside = None if where is None else min(max(mark.chars - where[1], 0), where[2])
+        ends.append(0 if where is None else where[0] + inside)
+    return ends
 
 
 def tokens_before(token_ends: list[int], chars: int) -> int:
