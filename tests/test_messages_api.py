@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from dataclasses import replace
 
 import anthropic
@@ -385,3 +386,33 @@ def test_breakpoints_are_found_under_a_template_that_trims_the_content():
     ready = prepare_messages(json.dumps(body).encode(), ctx)
     through = tokenizer.encode("<|im_start|>system\nBe brief.")
     assert ready.retention == (Keep(len(through), 3600, "1h"),)
+
+
+def test_the_fronts_429_past_a_tenants_share_is_anthropics_rate_limit_error(keys):
+    engine = tiny_engine(num_kv_blocks=64)
+    limits = Limits(max_pending_per_tenant=1)
+    with running_server(engine, keys, max_pending=8, limits=limits) as (url, state):
+        step = state.engine.step
+
+        def slow_step():  # on the engine thread: the held stream lasts seconds unless closed
+            time.sleep(0.02)
+            return step()
+
+        state.engine.step = slow_step
+        body = {"model": "tiny", "max_tokens": 200, "stream": True,
+                "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+        try:
+            with httpx.stream(
+                "POST", f"{url}/v1/messages", json=body, headers={"x-api-key": BETA}
+            ) as held:
+                lines = held.iter_lines()  # kept: closing it would close the stream
+                assert next(lines) == "event: message_start"
+                with pytest.raises(anthropic.RateLimitError) as refused:
+                    ask(url, BETA)
+        finally:
+            del state.engine.step
+        assert refused.value.body["type"] == "error"
+        assert refused.value.body["error"]["type"] == "rate_limit_error"
+        assert ask(url, ALPHA).usage.output_tokens > 0  # another tenant is still served
+        wait_idle(state)
+    assert_pool_clean(engine)

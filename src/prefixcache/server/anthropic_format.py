@@ -42,7 +42,7 @@ def usage(shape: MessageShape, output: RequestOutput) -> dict:
     for keep, blocks in sorted(zip(shape.keeps, retained, strict=True), key=lambda k: k[0][0]):
         end = min(blocks * shape.block_size, keep.num_tokens)
         if end > covered:
-            created[keep.retention_class] = created.get(keep.retention_class, 0) + end - covered
+            created[keep.retention_class] += end - covered
             covered = end
     creation = sum(created.values())
     return {
