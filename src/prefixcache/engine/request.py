@@ -75,6 +75,7 @@ class RequestOutput:
     finished: bool = False
     num_tier_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
     prompt_logprobs: list[Logprob | None] | None = None  # [0] is None: nothing precedes it
+    retained_blocks: tuple[int, ...] = ()  # per retention ask: prompt blocks it retained
 
     @property
     def text(self) -> str:
@@ -113,6 +114,7 @@ class Request:
         self.retention = retention  # prompt prefixes to keep cached once computed
         self.cache_key = cache_key  # a client's opaque per-tenant id: for traces and logs only
         self.num_retained_blocks = 0  # how many of its prompt blocks the pool retained
+        self.retained_blocks = [0] * len(retention)  # the same, per retention ask
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed
@@ -167,6 +169,7 @@ class Request:
             self.finished,
             self.num_tier_tokens,
             self._prompt_logprobs_if_done(),
+            tuple(self.retained_blocks),
         )
 
     def _shown(self, output: CompletionOutput) -> CompletionOutput:

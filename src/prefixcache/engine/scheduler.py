@@ -134,9 +134,10 @@ class Scheduler:
         """The prompt is committed: mark the prefixes its request asked to keep."""
         request, seq = branch.request, branch.seq
         assert seq is not None
-        for keep in request.retention:
+        for i, keep in enumerate(request.retention):
             kept = self.manager.retain(seq, *keep, owner=request.owner)
             request.num_retained_blocks = max(request.num_retained_blocks, kept)
+            request.retained_blocks[i] = max(request.retained_blocks[i], kept)
 
     def _admit(self, branch: Branch) -> bool:
         """Give a waiting branch its blocks (reusing its cached prefix) and run it."""

@@ -29,6 +29,7 @@ TENANT_FIELDS = (
     "name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier", "cache_share",
     "retention_budget",
 )  # fmt: skip
+MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
 
 
@@ -98,7 +99,7 @@ class Tenants:
         if self._by_key_digest is None:
             return Tenant(LOCAL_TENANT, admin=True)
         if not authorization or not authorization.startswith("Bearer "):
-            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+            raise AuthError(MISSING_KEY)
         tenant = self._by_key_digest.get(_digest(authorization.removeprefix("Bearer ")))
         if tenant is None:
             raise AuthError("invalid API key")

@@ -12,6 +12,8 @@ from prefixcache.cache.retention import Keep
 OPENAI_RETENTION = {"in_memory": 300, "24h": 86400}  # class -> seconds
 OPENAI_ALIASES = {"in-memory": "in_memory"}
 ANTHROPIC_TTLS = {"5m": 300, "1h": 3600}  # cache_control ttl -> seconds
+ANTHROPIC_DEFAULT_TTL = "5m"
+MAX_ANTHROPIC_BREAKPOINTS = 4  # cache_control blocks per request, as Anthropic allows
 MAX_CACHE_KEY_CHARS = 256  # prompt_cache_key
 CACHE_KEY_LOG_CHARS = 12  # hex digits of a key's id in the access log
 

@@ -1,5 +1,9 @@
-"""OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``, and the
-handlers that answer with them (the server's and the router's)."""
+"""Error objects, and the handlers that answer with them (the server's and the router's).
+
+The shape goes by route, decided here only: OpenAI's ``{"error": {"message", "type",
+"param", "code"}}`` everywhere, Anthropic's ``{"type": "error", "error": {"type",
+"message"}}`` on the Messages API (``ANTHROPIC_PATHS``).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,19 @@ ERROR_TYPES = {
     431: "invalid_request_error",
     503: "service_unavailable_error",
 }
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})  # routes that answer in Anthropic's shape
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    503: "overloaded_error",
+}
 
 
 def field_path(parts: tuple | list) -> str:
@@ -32,8 +49,13 @@ def field_path(parts: tuple | list) -> str:
     return ".".join(str(part)[:40] for part in parts) or "body"
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    """The error object a client parses."""
+def error_body(
+    status: int, message: str, param: str | None = None, path: str | None = None
+) -> dict:
+    """The error object a client of the route at ``path`` parses."""
+    if path in ANTHROPIC_PATHS:
+        kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     kind = ERROR_TYPES.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
@@ -61,14 +83,15 @@ class ApiError(Exception):
         """Pickled whole: a worker process raises it, the server answers it."""
         return (ApiError, (self.status, self.message, self.param, self.headers))
 
-    def response(self) -> JSONResponse:
-        body = error_body(self.status, self.message, self.param)
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The error as a response to a request for ``path`` (its shape goes by route)."""
+        body = error_body(self.status, self.message, self.param, path)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-async def answer_api_error(_: Request, error: ApiError) -> JSONResponse:
+async def answer_api_error(request: Request, error: ApiError) -> JSONResponse:
     """The handler for ``ApiError``: async, so it needs no worker thread (answers in shutdown)."""
-    return error.response()
+    return error.response(request.scope.get("path"))
 
 
 async def answer_http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -80,7 +103,7 @@ async def answer_http_error(request: Request, error: HTTPException) -> JSONRespo
         message = f"no such endpoint: {request.method} {path}"
     else:
         message = str(error.detail)
-    response = ApiError(error.status_code, message).response()
+    response = ApiError(error.status_code, message).response(path)
     response.headers.update(error.headers or {})
     return response
 
@@ -89,4 +112,5 @@ def internal_error(request: Request, error: Exception) -> JSONResponse:
     """A bug of ours, not the client's input: log the type and path, never the body."""
     path = request.scope.get("path")
     log.error("internal error on %s: %s", path, type(error).__name__, exc_info=error)
-    return JSONResponse(error_body(500, "internal server error"), status_code=500)
+    body = error_body(500, "internal server error", path=path)
+    return JSONResponse(body, status_code=500)

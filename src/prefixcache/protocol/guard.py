@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache.protocol.admission import InFlight, Ticket
-from prefixcache.protocol.auth import AuthError, Tenant, Tenants
+from prefixcache.protocol.auth import MISSING_KEY, AuthError, Tenant, Tenants
 from prefixcache.protocol.body_limit import read_body, replay
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.limits import MAX_HEADER_BYTES, MAX_HEADERS, Limits
@@ -123,9 +123,8 @@ class RequestGuard:
         path = getattr(route, "path", None)
         if route is None or path in self.policy.public:
             return None, path
-        authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         try:
-            tenant = self.tenants.authenticate(authorization or None)
+            tenant = self.tenants.authenticate(presented_key(scope))
         except AuthError as error:
             raise ApiError(401, str(error)) from None
         if path in self.policy.admin and not tenant.admin:
@@ -134,15 +133,26 @@ class RequestGuard:
         return tenant, path
 
 
+def presented_key(scope: Scope) -> str | None:
+    """The request's ``Authorization`` header, or its ``x-api-key`` (Anthropic's clients) as
+    a Bearer key; None if it has neither."""
+    headers = dict(scope["headers"])
+    authorization = headers.get(b"authorization", b"").decode("latin-1")
+    if authorization:
+        return authorization
+    api_key = headers.get(b"x-api-key", b"").decode("latin-1")
+    return f"Bearer {api_key}" if api_key else None
+
+
 async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
     """The error, on a connection closed after it (the rest of the body is never read)."""
     error.headers["Connection"] = "close"
-    await error.response()(scope, receive, send)
+    await error.response(scope.get("path"))(scope, receive, send)
 
 
 def tenant_of(scope: Scope) -> Tenant:
     """The tenant the guard authenticated for this request; 401 if it did not (fail closed)."""
     tenant = scope.get("state", {}).get("tenant")
     if tenant is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
+        raise ApiError(401, MISSING_KEY)
     return tenant

@@ -76,6 +76,47 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class AnthropicErrorObject(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: str
+    error: AnthropicErrorObject
+
+
+class TextBlock(BaseModel):
+    type: str
+    text: str
+
+
+class CacheCreation(BaseModel):
+    ephemeral_5m_input_tokens: int
+    ephemeral_1h_input_tokens: int
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation: CacheCreation
+    output_tokens: int
+
+
+class Message(BaseModel):
+    """A Messages API response (``server/anthropic_format.py``)."""
+
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[TextBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
 class ModelCard(BaseModel):
     id: str
     object: str
@@ -123,16 +164,31 @@ SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
 }
 
 
-def responses(ok: type[BaseModel] | None, *statuses: int, stream: bool = False) -> dict:
-    """A route's ``responses``: its 200 body and each error status it can return."""
+ANTHROPIC_SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "description": "message_start, content_block_delta, ..."},
+        "data": {"type": "string", "description": "the event as JSON, its type included"},
+    },
+    "required": ["event", "data"],
+}
+
+
+def responses(
+    ok: type[BaseModel] | None, *statuses: int, stream: bool = False, anthropic: bool = False
+) -> dict:
+    """A route's ``responses``: its 200 body and each error status it can return (errors in
+    Anthropic's shape on an ``anthropic`` route)."""
     success: dict[str, Any] = {"description": "OK"}
     if ok is not None:
         success["model"] = ok
     if stream:
-        success["content"] = {"text/event-stream": {"schema": SSE_EVENT}}
+        event = ANTHROPIC_SSE_EVENT if anthropic else SSE_EVENT
+        success["content"] = {"text/event-stream": {"schema": event}}
+    error = AnthropicErrorResponse if anthropic else ErrorResponse
     declared: dict[int | str, dict[str, Any]] = {200: success}
     for status in sorted({*EVERY_ROUTE, *statuses}):
-        declared[status] = {"model": ErrorResponse, "description": DESCRIPTIONS[status]}
+        declared[status] = {"model": error, "description": DESCRIPTIONS[status]}
     return declared
 
 

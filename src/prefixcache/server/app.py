@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI endpoints over the async engine, per-tenant salts.
+"""The FastAPI application: OpenAI endpoints (and Anthropic's Messages API) over the async
+engine, per-tenant salts.
 
 Every request passes ``guard.RequestGuard`` first (headers, auth by route, tenant share,
 body size and deadline); bodies are then prepared in ``PreparePool`` threads
@@ -21,12 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from prefixcache.cache.retention import Keep
 from prefixcache.engine.async_engine import AddRequest, AsyncLLMEngine, RequestStream
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.protocol import openapi
 from prefixcache.protocol.admission import InFlight, Ticket
+from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenant, Tenants
 from prefixcache.protocol.cache_controls import CACHE_KEY_LOG_CHARS, openai_keeps
 from prefixcache.protocol.errors import ApiError
@@ -35,9 +38,10 @@ from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
 from prefixcache.protocol.openapi import json_body, responses
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
-from prefixcache.server import openai_format
+from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
+from prefixcache.server.messages import prepare_messages
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.prepare import (
     PrepareContext,
@@ -50,11 +54,11 @@ from prefixcache.server.prepare import (
 from prefixcache.server.prepare_pool import PreparePool
 
 log = logging.getLogger("prefixcache.server")
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
-    metered=frozenset({CHAT, COMPLETIONS}),
+    metered=frozenset({CHAT, COMPLETIONS, MESSAGES}),
 )
 
 
@@ -116,7 +120,8 @@ def create_app(
     if publisher is not None:
         server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest], lambda: model_name)
+    bodies = [ChatCompletionRequest, CompletionRequest, MessagesRequest]
+    openapi.install(app, bodies, lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
@@ -130,6 +135,7 @@ def prepare_context(engine: LLMEngine, model_name: str) -> PrepareContext:
         context,
         engine.model_config.vocab_size,
         max_prompt_chars(engine.tokenizer, context),
+        engine.manager.block_size,
     )
 
 
@@ -195,6 +201,15 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def completions(request: Request) -> Response:
         return await _serve(server, request, prepare_completion)
 
+    @app.post(
+        MESSAGES,
+        openapi_extra=json_body(MessagesRequest),
+        responses=responses(openapi.Message, *engine_statuses, stream=True, anthropic=True),
+    )
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API; ``cache_control`` breakpoints keep prompt prefixes."""
+        return await _serve(server, request, prepare_messages, ANTHROPIC)
+
     @app.post("/admin/reset_prefix_cache", responses=responses(openapi.ResetReport, 401, 403))
     async def reset() -> dict:
         """Drop every cached block, if none is in use (admin keys only)."""
@@ -217,8 +232,33 @@ def _reset_report(engine: LLMEngine) -> dict:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """How a route answers: its whole response, and its SSE events."""
+
+    full: Callable[[Prepared, list[RequestOutput]], dict]
+    stream: Callable[[Prepared, FanIn, Callable], AsyncIterator[str]]
+
+
+def _openai_stream(ready: Prepared, fan_in: FanIn, done: Callable) -> AsyncIterator[str]:
+    body = ready.body
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    formatter = openai_format.StreamFormatter(ready.shape, len(ready.prompts))
+    return _sse(fan_in, formatter, include_usage, done)
+
+
+OPENAI = _Answer(lambda ready, finals: openai_format.response(ready.shape, finals), _openai_stream)
+ANTHROPIC = _Answer(
+    lambda ready, finals: anthropic_format.response(ready.shape, finals),
+    lambda ready, fan_in, done: anthropic_format.events(ready.shape, fan_in, done),
+)
+
+
 async def _serve(
-    server: Server, request: Request, prepare: Callable[[bytes, PrepareContext], Prepared]
+    server: Server,
+    request: Request,
+    prepare: Callable[[bytes, PrepareContext], Prepared],
+    answer: _Answer = OPENAI,
 ) -> Response:
     """Prepare the body off the loop, admit it, run it (one engine request per prompt)."""
     tenant = tenant_of(request.scope)
@@ -231,16 +271,14 @@ async def _serve(
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     previous = server.tenants.previous_cache_salt(tenant, body.cache_salt)
     controls = _Controls(
-        body.prompt_cache_retention, server.tenants.cache_key_id(tenant, body.prompt_cache_key)
+        getattr(body, "prompt_cache_retention", None),
+        server.tenants.cache_key_id(tenant, getattr(body, "prompt_cache_key", None)),
     )
-    fan_in = await _open(server, tenant, shape, prompts, ready.params, (salt, previous), controls)
-    endpoint = "chat" if shape.chat else "completions"
+    fan_in = await _open(server, tenant, ready, (salt, previous), controls)
+    endpoint = getattr(shape, "endpoint", "chat" if shape.chat else "completions")
     done = _Done(server, tenant, salt, shape.request_id, endpoint, controls.cache_key)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        formatter = openai_format.StreamFormatter(shape, len(prompts))
-        events = _sse(fan_in, formatter, include_usage, done)
-        return _Stream(events, lambda: done.once(fan_in))
+        return _Stream(answer.stream(ready, fan_in, done), lambda: done.once(fan_in))
     try:
         finals = await _until_finished(fan_in, request, done)
     except asyncio.CancelledError:
@@ -250,7 +288,7 @@ async def _serve(
         raise ApiError(503, "the server shut down before this request finished") from None
     if finals is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(openai_format.response(shape, finals))
+    return JSONResponse(answer.full(ready, finals))
 
 
 class _Stream(StreamingResponse):
@@ -273,9 +311,7 @@ class _Stream(StreamingResponse):
 async def _open(
     server: Server,
     tenant: Tenant,
-    shape: openai_format.Shape,
-    prompts: list[list[int]],
-    params: SamplingParams,
+    ready: Prepared,
     salts: tuple[str, str | None],
     controls: _Controls,
 ) -> FanIn:
@@ -283,8 +319,11 @@ async def _open(
 
     ``salts``: the request's cache salt, and its salt under a previous secret (rotation).
     """
+    shape, prompts = ready.shape, ready.prompts
     adds = [
-        _add_request(shape, i, len(prompts), p, params, salts, tenant, controls)
+        _add_request(
+            shape, i, len(prompts), p, ready.params, salts, tenant, controls, ready.retention
+        )
         for i, p in enumerate(prompts)
     ]
     opened = await asyncio.gather(
@@ -311,6 +350,7 @@ def _add_request(
     salts: tuple[str, str | None],
     tenant: Tenant,
     controls: _Controls,
+    retention: tuple[Keep, ...] = (),
 ) -> AddRequest:
     """Prompt ``index`` of ``count`` as an engine request (ids ``<id>-<index>`` for a batch)."""
     return AddRequest(
@@ -323,7 +363,7 @@ def _add_request(
         use_tier=tenant.uses_tier,
         owner=tenant.name,
         previous_cache_salt=salts[1],
-        retention=openai_keeps(controls.retention_class, len(prompt)),
+        retention=retention or openai_keeps(controls.retention_class, len(prompt)),
         cache_key=controls.cache_key,
     )
 

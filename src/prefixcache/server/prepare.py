@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
+from prefixcache.cache.retention import Keep
 from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
@@ -34,6 +35,7 @@ class PrepareContext:
     context: int  # the model's context in tokens
     vocab_size: int
     max_prompt_chars: int
+    block_size: int = 16  # the cache's tokens per block (usage of retained prefixes)
 
 
 def longest_token_chars(tokenizer: Tokenizer) -> int:
@@ -57,34 +59,35 @@ class Prepared:
     body: SamplingFields
     prompts: Prompts
     params: SamplingParams
-    shape: openai_format.Shape
+    shape: openai_format.Shape  # or, for /v1/messages, anthropic_format.MessageShape
+    retention: tuple[Keep, ...] = ()  # prompt prefixes to keep cached (cache_control)
 
 
 def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A chat body: its messages' text bounded, templated and tokenized."""
-    body = _parse(raw, ChatCompletionRequest, ctx)
+    body = parse_body(raw, ChatCompletionRequest, ctx)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     chars = sum(len(m["content"]) for m in messages)
     if chars > ctx.max_prompt_chars:
-        raise ApiError(400, _too_many_chars("messages", chars, ctx), "messages")
+        raise ApiError(400, too_many_chars("messages", chars, ctx), "messages")
     try:
         text = ctx.tokenizer.apply_chat_template(messages)
     except ValueError as error:
         raise ApiError(400, f"messages: {error}", "messages") from None
     prompts = [ctx.tokenizer.encode(text)]
-    _check_tokens(prompts, ctx, "messages")
+    check_tokens(prompts, ctx, "messages")
     return Prepared(body, prompts, _sampling(body, prompts, ctx), _shape(body, ctx, chat=True))
 
 
 def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A completions body: each prompt bounded, then tokenized (or its ids checked)."""
-    body = _parse(raw, CompletionRequest, ctx)
+    body = parse_body(raw, CompletionRequest, ctx)
     for i, prompt in enumerate(body.prompt):
         _check_prompt_size(i, prompt, ctx)
     texts = [p for p in body.prompt if isinstance(p, str)]
     encoded = iter([ctx.tokenizer.encode(text, add_special_tokens=True) for text in texts])
     prompts = [next(encoded) if isinstance(p, str) else p for p in body.prompt]
-    _check_tokens(prompts, ctx, "prompt")
+    check_tokens(prompts, ctx, "prompt")
     shape = _shape(body, ctx, chat=False)
     if body.echo:
         shape.echo = [
@@ -94,7 +97,7 @@ def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
     return Prepared(body, prompts, _sampling(body, prompts, ctx), shape)
 
 
-def _parse(raw: bytes, schema: type[BaseModel], ctx: PrepareContext) -> SamplingFields:
+def parse_body(raw: bytes, schema: type[BaseModel], ctx: PrepareContext) -> SamplingFields:
     """The body as ``schema``: 400 for bad JSON or a bad field, 404 for another model."""
     data = load_json(raw)
     try:
@@ -121,7 +124,7 @@ def _field_error(error: ValidationError) -> ApiError:
     return ApiError(400, f"{field}: {message}", field)
 
 
-def _too_many_chars(field: str, chars: int, ctx: PrepareContext) -> str:
+def too_many_chars(field: str, chars: int, ctx: PrepareContext) -> str:
     return (
         f"{field} has {chars} characters; at most {ctx.max_prompt_chars} can fit this "
         f"model's context of {ctx.context} tokens"
@@ -132,7 +135,7 @@ def _check_prompt_size(index: int, prompt: str | list[int], ctx: PrepareContext)
     """Before tokenizing: characters of a text prompt, the vocabulary of token ids."""
     if isinstance(prompt, str):
         if len(prompt) > ctx.max_prompt_chars:
-            raise ApiError(400, _too_many_chars(f"prompt {index}", len(prompt), ctx), "prompt")
+            raise ApiError(400, too_many_chars(f"prompt {index}", len(prompt), ctx), "prompt")
         return
     bad = next((t for t in prompt if t >= ctx.vocab_size), None)
     if bad is not None:
@@ -140,7 +143,7 @@ def _check_prompt_size(index: int, prompt: str | list[int], ctx: PrepareContext)
         raise ApiError(400, message, "prompt")
 
 
-def _check_tokens(prompts: Prompts, ctx: PrepareContext, param: str) -> None:
+def check_tokens(prompts: Prompts, ctx: PrepareContext, param: str) -> None:
     """Every prompt leaves room for at least one generated token."""
     for i, prompt in enumerate(prompts):
         if len(prompt) >= ctx.context:
@@ -153,7 +156,7 @@ def _check_tokens(prompts: Prompts, ctx: PrepareContext, param: str) -> None:
             )
 
 
-def _check_room(limit: int | None, prompts: Prompts, context: int) -> None:
+def check_room(limit: int | None, prompts: Prompts, context: int) -> None:
     """400 unless every prompt leaves room for the requested tokens (at least 1)."""
     for prompt in prompts:
         room = context - len(prompt)
@@ -169,7 +172,7 @@ def _check_room(limit: int | None, prompts: Prompts, context: int) -> None:
 def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> SamplingParams:
     """Sampling parameters, with the token limit checked against the context."""
     limit = body.token_limit()
-    _check_room(limit, prompts, ctx.context)
+    check_room(limit, prompts, ctx.context)
     longest = max(len(p) for p in prompts)
     prompt_logprobs = getattr(body, "prompt_logprob_count", lambda: None)()
     constraint = _constraint(body, ctx)

@@ -1,0 +1,139 @@
+"""A Messages API body turned into engine work: turns, chat template, tokens, retention.
+
+The conversation renders through the model's chat template exactly as a chat completion
+does (system first), so both APIs share cached blocks. A breakpoint becomes a ``Keep`` of
+the prompt's tokens through the end of its block: the tokens that end at or before the
+character where that block's text ends in the rendered prompt.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from prefixcache.cache.retention import Keep
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol.anthropic_blocks import Breakpoint, Turn, conversation
+from prefixcache.protocol.anthropic_schemas import MessagesRequest
+from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS
+from prefixcache.protocol.errors import ApiError
+from prefixcache.server.anthropic_format import MessageShape
+from prefixcache.server.prepare import (
+    PrepareContext,
+    Prepared,
+    check_room,
+    check_tokens,
+    parse_body,
+    too_many_chars,
+)
+
+MARK = "\ue000"  # a private-use character: where a breakpoint falls in the rendered text
+
+
+def prepare_messages(raw: bytes, ctx: PrepareContext) -> Prepared:
+    """A Messages body: checked, templated, tokenized, its breakpoints as retention asks."""
+    body: MessagesRequest = parse_body(raw, MessagesRequest, ctx)  # type: ignore[assignment]
+    turns, marks = conversation(body)
+    chars = sum(len(t.content) for t in turns)
+    if chars > ctx.max_prompt_chars:
+        raise ApiError(400, too_many_chars("messages", chars, ctx), "messages")
+    text, ends = render(ctx.tokenizer, turns, marks)
+    encoding = ctx.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0]
+    prompt = list(encoding.ids)
+    check_tokens([prompt], ctx, "messages")
+    check_room(body.max_tokens, [prompt], ctx.context)
+    token_ends = [end for _, end in encoding.offsets]
+    keeps = tuple(
+        Keep(tokens_before(token_ends, end), ANTHROPIC_TTLS[mark.ttl], mark.ttl)
+        for mark, end in zip(marks, ends, strict=True)
+    )
+    shape = MessageShape(
+        f"msg_{uuid.uuid4().hex}", body.model, ctx.tokenizer, body.stop_sequences, keeps,
+        ctx.block_size,
+    )  # fmt: skip
+    return Prepared(body, [prompt], _sampling(body), shape, keeps)  # type: ignore[arg-type]
+
+
+def render(tokenizer: Tokenizer, turns: list[Turn], marks: list[Breakpoint]) -> tuple[str, list]:
+    """The prompt text, and where each breakpoint falls in it (characters)."""
+    messages = [{"role": t.role, "content": t.content} for t in turns]
+    text = _template(tokenizer, messages)
+    if not marks:
+        return text, []
+    marked = [dict(m) for m in messages]
+    for i, turn in enumerate(turns):
+        cuts = sorted({m.chars for m in marks if m.turn == i})
+        marked[i]["content"] = _insert_marks(turn.content, cuts)
+    with_marks = _template(tokenizer, marked)
+    if with_marks.replace(MARK, "") != text:  # the template rewrote the content
+        return text, _searched_ends(text, turns, marks)
+    found, positions = 0, []
+    for at, char in enumerate(with_marks):
+        if char == MARK:
+            positions.append(at - found)
+            found += 1
+    cut_index = [(m.turn, m.chars) for m in marks]
+    unique = sorted(set(cut_index))
+    return text, [positions[unique.index(key)] for key in cut_index]
+
+
+def _template(tokenizer: Tokenizer, messages: list[dict]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as error:
+        raise ApiError(400, f"messages: {error}", "messages") from None
+
+
+def _insert_marks(content: str, cuts: list[int]) -> str:
+    pieces, start = [], 0
+    for cut in cuts:
+        pieces += [content[start:cut], MARK]
+        start = cut
+    return "".join(pieces) + content[start:]
+
+
+def _searched_ends(text: str, turns: list[Turn], marks: list[Breakpoint]) -> list[int]:
+    """Breakpoints found by searching each turn's content, in order, as written or
+    stripped (templates that trim content); the breakpoints of a turn not found retain
+    nothing."""
+    found: list[tuple[int, int, int] | None] = []  # start, characters stripped, length
+    cursor = 0
+    for turn in turns:
+        stripped = turn.content.strip()
+        lead = len(turn.content) - len(turn.content.lstrip())
+        at = text.find(turn.content, cursor) if turn.content else -1
+        where = (at, 0, len(turn.content)) if at >= 0 else None
+        if where is None and stripped:
+            at = text.find(stripped, cursor)
+            where = (at, lead, len(stripped)) if at >= 0 else None
+        found.append(where)
+        cursor = where[0] + where[2] if where else cursor
+    ends = []
+    for mark in marks:
+        where = found[mark.turn]
+        inside = None if where is None else min(max(mark.chars - where[1], 0), where[2])
+        ends.append(0 if where is None else where[0] + inside)
+    return ends
+
+
+def tokens_before(token_ends: list[int], chars: int) -> int:
+    """How many leading tokens end at or before character ``chars``."""
+    count = 0
+    for end in token_ends:
+        if end > chars:
+            break
+        count += 1
+    return count
+
+
+def _sampling(body: MessagesRequest) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=body.stop_sequences,
+        )
+    except ValueError as error:
+        raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
