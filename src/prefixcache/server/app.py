@@ -217,23 +217,31 @@ def _reset_report(engine: LLMEngine) -> dict:
 
 
 async def _serve(
-    server: Server, request: Request, prepare: Callable[[bytes, PrepareContext], Prepared]
+    server: Server,
+    request: Request,
+    prepare: Callable[[bytes, PrepareContext], Prepared],
+    in_thread: bool = False,
 ) -> Response:
     """Prepare the body off the loop, admit it, run it (one engine request per prompt)."""
     tenant = tenant_of(request.scope)
     ticket: Ticket = request.scope["state"]["ticket"]
     if server.draining:
         raise ApiError(503, "the server is shutting down; retry on another replica")
-    ready = await server.pool.prepare(prepare, await request.body(), server.prepare)
+    raw = await request.body()
+    if in_thread:  # it reads this process's state (the stored responses)
+        ready = await server.pool.run(prepare, raw, server.prepare)
+    else:
+        ready = await server.pool.prepare(prepare, raw, server.prepare)
     prompts, body, shape = ready.prompts, ready.body, ready.shape
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     previous = server.tenants.previous_cache_salt(tenant, body.cache_salt)
     fan_in = await _open(server, tenant, shape, prompts, ready.params, (salt, previous))
-    done = _Done(server, tenant, salt, shape.request_id, "chat" if shape.chat else "completions")
+    done = _Done(server, tenant, salt, shape.request_id, shape.endpoint)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        formatter = openai_format.StreamFormatter(shape, len(prompts))
+        options = getattr(body, "stream_options", None)
+        include_usage = bool(options and options.include_usage)
+        formatter = shape.stream_formatter(len(prompts))
         events = _sse(fan_in, formatter, include_usage, done)
         return _Stream(events, lambda: done.once(fan_in))
     try:
@@ -245,7 +253,7 @@ async def _serve(
         raise ApiError(503, "the server shut down before this request finished") from None
     if finals is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(openai_format.response(shape, finals))
+    return JSONResponse(shape.respond(finals))
 
 
 class _Stream(StreamingResponse):
@@ -401,10 +409,10 @@ async def _sse(fan_in: FanIn, formatter, include_usage: bool, done: _Done):
             part, output = await fan_in.next()
             for event in formatter.chunks(output, part):
                 yield event
-        if include_usage:
-            yield formatter.usage_chunk(fan_in.finals())
+        last = formatter.last_chunks(fan_in.finals(), include_usage)
         status = "ok"
-        yield openai_format.DONE
+        for event in last:
+            yield event
     except RuntimeError as error:  # the engine step failed: tell the client, end cleanly
         status = "engine_error"
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"

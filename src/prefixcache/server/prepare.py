@@ -14,10 +14,17 @@ from pydantic import BaseModel, ValidationError
 
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol import tool_schemas
+from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError, field_path
 from prefixcache.protocol.json_body import load_json
-from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from prefixcache.server import openai_format
+from prefixcache.protocol.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from prefixcache.server import openai_format, tool_prompt
 
 Prompts = list[list[int]]  # one token-id prompt per engine request
 
@@ -60,17 +67,65 @@ class Prepared:
 def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A chat body: its messages' text bounded, templated and tokenized."""
     body = _parse(raw, ChatCompletionRequest, ctx)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    chars = sum(len(m["content"]) for m in messages)
-    if chars > ctx.max_prompt_chars:
-        raise ApiError(400, _too_many_chars("messages", chars, ctx), "messages")
+    tools = [t.function for t in body.tools]
+    rules = tool_rules(tools, body.tool_choice, body.parallel_tool_calls, "tool_choice")
+    turns = [_turn(m) for m in body.messages]
+    lost = tool_prompt.unanswerable(turns)
+    if lost is not None:
+        field = f"messages.{lost}.tool_call_id"
+        raise ApiError(400, f"{field}: answers no tool call of an earlier message", field)
+    prompts = [render_prompt(ctx, turns, tools, "messages")]
+    shape = _shape(body, ctx, chat=True)
+    shape.tool_names = rules.names
+    return Prepared(body, prompts, _sampling(body, prompts, ctx, rules.constraint), shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRules:
+    """What tools do to a request: the output constraint and the names calls may use."""
+
+    constraint: Constraint | None = None
+    names: frozenset[str] | None = None  # None: no call is parsed out of the text
+
+
+def tool_rules(tools: list, choice: object, parallel: bool, field: str) -> ToolRules:
+    """The constraint for ``tool_choice``; 400 naming ``field`` for a choice that cannot be."""
     try:
-        text = ctx.tokenizer.apply_chat_template(messages)
+        tool_schemas.unique_names(tools)
+        mode, name = tool_schemas.tool_choice(choice, tools, field)
     except ValueError as error:
-        raise ApiError(400, f"messages: {error}", "messages") from None
-    prompts = [ctx.tokenizer.encode(text)]
-    _check_tokens(prompts, ctx, "messages")
-    return Prepared(body, prompts, _sampling(body, prompts, ctx), _shape(body, ctx, chat=True))
+        param = "tools" if str(error).startswith("two tools") else field
+        raise ApiError(
+            400, f"{param}: {error}" if param == "tools" else str(error), param
+        ) from None
+    constraint = tool_schemas.constraint(tools, mode, name, parallel)
+    if constraint is None:
+        return ToolRules()
+    return ToolRules(constraint, frozenset(t.name for t in constraint.tools))
+
+
+def render_prompt(
+    ctx: PrepareContext, turns: list[tool_prompt.Turn], tools: list, field: str
+) -> list[int]:
+    """The conversation's token ids, its size checked before and after tokenizing."""
+    chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
+    if chars > ctx.max_prompt_chars:
+        raise ApiError(400, _too_many_chars(field, chars, ctx), field)
+    try:
+        text = tool_prompt.render(ctx.tokenizer, turns, tools)
+    except ValueError as error:
+        raise ApiError(400, f"{field}: {error}", field) from None
+    prompt = ctx.tokenizer.encode(text)
+    _check_tokens([prompt], ctx, field)
+    return prompt
+
+
+def _turn(message: ChatMessage) -> tool_prompt.Turn:
+    calls = [
+        tool_prompt.Call(c.id, c.function.name, c.function.arguments)
+        for c in message.tool_calls or []
+    ]
+    return tool_prompt.Turn(message.role, message.text(), calls, message.tool_call_id)
 
 
 def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
@@ -163,7 +218,12 @@ def _check_room(limit: int | None, prompts: Prompts, context: int) -> None:
             )
 
 
-def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> SamplingParams:
+def _sampling(
+    body: SamplingFields,
+    prompts: Prompts,
+    ctx: PrepareContext,
+    constraint: Constraint | None = None,
+) -> SamplingParams:
     """Sampling parameters, with the token limit checked against the context."""
     limit = body.token_limit()
     _check_room(limit, prompts, ctx.context)
@@ -188,9 +248,19 @@ def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> Sa
             logit_bias=body.bias(),
             logprobs=body.logprob_count(),
             prompt_logprobs=prompt_logprobs,
+            **constrained(constraint),
         )
     except ValueError as error:  # a combination out of range (min_tokens > max_tokens, ...)
         raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
+
+
+def constrained(constraint: Constraint | None) -> dict:
+    """``SamplingParams`` keywords for a constraint (until the grammar lands: only without)."""
+    if constraint is None:
+        return {}
+    if "constraint" not in SamplingParams.__dataclass_fields__:
+        raise ApiError(400, "tools need the grammar layer, which this build lacks", "tools")
+    return {"constraint": constraint}
 
 
 def _shape(body: SamplingFields, ctx: PrepareContext, chat: bool) -> openai_format.Shape:
