@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from types import FrameType
 
 import uvicorn
@@ -33,6 +34,7 @@ from prefixcache.protocol.front import get_and_head, install_front, uvicorn_conf
 from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
 from prefixcache.protocol.openapi import json_body, responses
+from prefixcache.protocol.responses_schemas import ResponsesRequest
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from prefixcache.server import openai_format
 from prefixcache.server.events import KVEventPublisher
@@ -47,13 +49,15 @@ from prefixcache.server.prepare import (
     prepare_completion,
 )
 from prefixcache.server.prepare_pool import PreparePool
+from prefixcache.server.response_store import ResponseStore
+from prefixcache.server.responses_api import prepare_responses
 
 log = logging.getLogger("prefixcache.server")
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
-    metered=frozenset({CHAT, COMPLETIONS}),
+    metered=frozenset({CHAT, COMPLETIONS, RESPONSES}),
 )
 
 
@@ -70,6 +74,7 @@ class Server:
     in_flight: InFlight  # the global and per-tenant in-flight limits (429)
     pool: PreparePool = field(default_factory=lambda: PreparePool(PREPARE_THREADS))
     identity: dict = field(default_factory=dict)  # see replica_identity
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     draining: bool = False  # shutting down: new requests get 503
 
     @property
@@ -115,7 +120,8 @@ def create_app(
     if publisher is not None:
         server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest], lambda: model_name)
+    bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest]
+    openapi.install(app, bodies, lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
@@ -193,6 +199,17 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     )
     async def completions(request: Request) -> Response:
         return await _serve(server, request, prepare_completion)
+
+    @app.post(
+        RESPONSES,
+        openapi_extra=json_body(ResponsesRequest),
+        responses=responses(None, *engine_statuses, stream=True),
+    )
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API (a subset: docs/api.md)."""
+        view = server.responses.view(tenant_of(request.scope).name)
+        prepare = partial(prepare_responses, view=view)
+        return await _serve(server, request, prepare, in_thread=True)
 
     @app.post("/admin/reset_prefix_cache", responses=responses(openapi.ResetReport, 401, 403))
     async def reset() -> dict:
