@@ -24,7 +24,9 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
+from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.model import LlamaModel
@@ -239,6 +241,7 @@ class LLMEngine:
             use_tier = False
         if not isinstance(min_hit_tokens, int) or min_hit_tokens < 0:
             raise ValueError(f"min_hit_tokens must be an int >= 0, got {min_hit_tokens!r}")
+        new_grammar = self._grammar_factory(params)
         if zero_on_evict:
             self.scrubber.activate()
         self._next_seed += 1
@@ -255,6 +258,7 @@ class LLMEngine:
             owner=owner,
             previous_cache_salt=previous_cache_salt,
             retention=check_keeps(retention, len(prompt_token_ids)),
+            new_grammar=new_grammar,
         )
         if self.tier is not None:
             self.tier.prefetch(request)
@@ -276,6 +280,15 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (including at least 1 generated)"
             )
         check_fits(len(prompt), self.config.block_size, self.num_blocks, num_generated=1)
+
+    def _grammar_factory(self, params: SamplingParams) -> Callable[[], GrammarState] | None:
+        """Fresh matchers of the request's constraint (compiled now: ValueError if it can't)."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        cache = grammar_cache(self.tokenizer)
+        cache.compile(constraint)
+        return lambda: GrammarState(cache.matcher(constraint))
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in ``logit_bias`` must be in the vocabulary."""
@@ -376,7 +389,8 @@ class LLMEngine:
         logits = logits[torch.tensor(rows)]
         params = [b.request.params for b in branches]
         histories = [self._history(b) for b in branches]
-        tokens = sample(logits, params, [b.generator for b in branches], histories)
+        masks = allowed_masks(branches, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        tokens = sample(logits, params, [b.generator for b in branches], histories, masks)
         return Sampled(branches, tokens, self._logprobs(logits, branches, tokens), scored)
 
     def _history(self, branch: Branch) -> History:
@@ -390,7 +404,10 @@ class LLMEngine:
     def _logprobs(
         self, logits: torch.Tensor, branches: list[Branch], tokens: list[int]
     ) -> list[Logprob | None]:
-        """The sampled tokens' logprobs (raw logits), for the branches that ask."""
+        """The sampled tokens' logprobs (raw logits), for the branches that ask.
+
+        Raw: before logit processors and before a grammar's mask (as vLLM's default).
+        """
         wanted = [i for i, b in enumerate(branches) if b.request.params.logprobs is not None]
         found: list[Logprob | None] = [None] * len(branches)
         if wanted:
@@ -452,7 +469,10 @@ class LLMEngine:
             if append_output(branch, token, logprob):
                 self._finish_branch(branch, FinishReason.STOP, flush=False)
                 return
-            reason = length_reason(branch, self.max_model_len)
+            if advance(branch):  # the grammar is complete: nothing but EOS may follow
+                reason = FinishReason.STOP
+            else:
+                reason = length_reason(branch, self.max_model_len)
         if reason is not None:
             self._finish_branch(branch, reason)
         elif branch.seq is not None and self.scheduler.append_token(branch, token) is Room.NONE:

@@ -16,6 +16,7 @@ from prefixcache.engine.stop_holdback import releasable_length, released_tokens,
 from prefixcache.engine.tokenizer import IncrementalDecoder
 
 if TYPE_CHECKING:
+    from prefixcache.engine.constrained import GrammarState
     from prefixcache.engine.tier_link import PendingFetch
 
 
@@ -101,6 +102,7 @@ class Request:
         owner: str | None = None,
         previous_cache_salt: str | None = None,
         retention: tuple[Keep, ...] = (),
+        new_grammar: Callable[[], GrammarState] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -119,6 +121,7 @@ class Request:
         self.num_tier_tokens = 0  # of the cached tokens, those loaded from the tier
         self.tier_fetch: PendingFetch | None = None  # its prompt blocks on their way
         self._new_decoder = new_decoder  # None: token ids only (scheduler tests)
+        self._new_grammar = new_grammar  # a fresh matcher per branch, if constrained
         self.branches: list[Branch] = [Branch(self, 0, self._decoder())]
         wants_logprobs = params.logprobs is not None
         self.outputs = [
@@ -138,6 +141,10 @@ class Request:
 
     def _decoder(self) -> IncrementalDecoder | None:
         return self._new_decoder() if self._new_decoder else None
+
+    def new_grammar(self) -> GrammarState | None:
+        """A branch's own matcher at the grammar's start (None: unconstrained)."""
+        return self._new_grammar() if self._new_grammar else None
 
     @property
     def prompt_length(self) -> int:
@@ -191,6 +198,7 @@ class Branch:
         self.request = request
         self.index = index
         self.decoder = decoder  # token ids -> text, one token at a time
+        self.grammar = request.new_grammar()  # follows output.token_ids (constrained.py)
         self.seq: Sequence | None = None  # cache-side blocks, while admitted
         self.generator = make_generator(request.seed + index)
         self.arrival = 0  # FCFS position, set by the scheduler

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prefixcache.engine.constrained import apply_mask
+from prefixcache.protocol.constraints import Constraint, JsonOutput, ToolCalls
 from prefixcache.protocol.sampling_limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -53,6 +55,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None  # the output must match it (engine/grammar.py)
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -96,6 +99,10 @@ class SamplingParams:
             (
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be non-negative ints",
+            ),
+            (
+                self.constraint is None or isinstance(self.constraint, JsonOutput | ToolCalls),
+                "constraint must be a JsonOutput, a ToolCalls or None",
             ),
         ]
 
@@ -181,13 +188,22 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     histories: list[History] | None = None,
+    masks: dict[int, torch.Tensor] | None = None,
 ) -> list[int]:
-    """One token per row of ``logits`` ([N, vocab]), each row with its own params."""
-    if histories is not None and any(p.processes_logits for p in params):
+    """One token per row of ``logits`` ([N, vocab]), each row with its own params.
+
+    ``masks``: row -> bool tensor of the tokens its grammar allows (the other rows untouched).
+    """
+    processed = histories is not None and any(p.processes_logits for p in params)
+    if processed or masks:
         logits = logits.clone()
+    if processed:
+        assert histories is not None
         for row, (param, history) in enumerate(zip(params, histories, strict=True)):
             if param.processes_logits:
                 logits[row] = process_logits(logits[row], param, history)
+    for row, allowed in (masks or {}).items():
+        logits[row] = apply_mask(logits[row], allowed)
     greedy_ids = logits.argmax(dim=-1).tolist()
     tokens = []
     for row, (param, generator) in enumerate(zip(params, generators, strict=True)):
