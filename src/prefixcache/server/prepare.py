@@ -248,19 +248,10 @@ def _sampling(
             logit_bias=body.bias(),
             logprobs=body.logprob_count(),
             prompt_logprobs=prompt_logprobs,
-            **constrained(constraint),
+            constraint=constraint,
         )
     except ValueError as error:  # a combination out of range (min_tokens > max_tokens, ...)
         raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
-
-
-def constrained(constraint: Constraint | None) -> dict:
-    """``SamplingParams`` keywords for a constraint (until the grammar lands: only without)."""
-    if constraint is None:
-        return {}
-    if "constraint" not in SamplingParams.__dataclass_fields__:
-        raise ApiError(400, "tools need the grammar layer, which this build lacks", "tools")
-    return {"constraint": constraint}
 
 
 def _shape(body: SamplingFields, ctx: PrepareContext, chat: bool) -> openai_format.Shape:

@@ -17,7 +17,6 @@ from prefixcache.server.prepare import (
     PrepareContext,
     Prepared,
     _parse,
-    constrained,
     render_prompt,
     tool_rules,
 )
@@ -52,7 +51,7 @@ def prepare_responses(raw: bytes, ctx: PrepareContext, view: TenantResponses) ->
         max_tokens=limit or room,
         temperature=body.temperature,
         top_p=body.top_p,
-        **constrained(rules.constraint),
+        constraint=rules.constraint,
     )
     shape = ResponsesShape(
         new_id("resp"),
