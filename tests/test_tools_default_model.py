@@ -147,3 +147,31 @@ def test_responses_function_call_round_trip(served):
     assert second.output[0].type == "message" and second.output_text
     covered = (first.usage.input_tokens // block - 1) * block
     assert second.usage.input_tokens_details.cached_tokens >= covered
+
+
+def test_a_streamed_responses_call_matches_its_final_item(served):
+    api, _ = served
+    tool = {"type": "function", **WEATHER["function"]}
+    events = list(
+        api.responses.create(
+            model=MODEL,
+            input="Weather in Oslo?",
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_output_tokens=64,  # the grammar lets up to 16 newlines follow the call
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    assert "response.output_text.delta" not in kinds
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (item,) = events[-1].response.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert "".join(fragments) == done.arguments == item.arguments
+    assert isinstance(json.loads(item.arguments)["city"], str)
+    assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -315,7 +315,7 @@ async def _open(
         for stream in streams:
             stream.close()
         if isinstance(failure, ValueError):  # the engine refused it: too long, bad token id
-            param = "messages" if shape.chat else "prompt"
+            param = shape.prompt_field
             raise ApiError(400, str(failure), param) from None
         raise failure
     return FanIn(streams)

@@ -38,6 +38,10 @@ class Shape:
         return "chat.completion" if self.chat else "text_completion"
 
     @property
+    def prompt_field(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    @property
     def endpoint(self) -> str:
         return "chat" if self.chat else "completions"
 

@@ -69,7 +69,7 @@ def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
     body = _parse(raw, ChatCompletionRequest, ctx)
     tools = [t.function for t in body.tools]
     rules = tool_rules(tools, body.tool_choice, body.parallel_tool_calls, "tool_choice")
-    turns = [_turn(m) for m in body.messages]
+    turns = [_turn(i, m) for i, m in enumerate(body.messages)]
     lost = tool_prompt.unanswerable(turns)
     if lost is not None:
         field = f"messages.{lost}.tool_call_id"
@@ -120,7 +120,10 @@ def render_prompt(
     return prompt
 
 
-def _turn(message: ChatMessage) -> tool_prompt.Turn:
+def _turn(index: int, message: ChatMessage) -> tool_prompt.Turn:
+    if message.tool_calls and message.role != "assistant":
+        field = f"messages.{index}.tool_calls"
+        raise ApiError(400, f"{field}: only assistant messages make tool calls", field)
     calls = [
         tool_prompt.Call(c.id, c.function.name, c.function.arguments)
         for c in message.tool_calls or []

@@ -38,6 +38,7 @@ class ResponsesShape:
     created: int = field(default_factory=lambda: int(time.time()))
     chat: bool = False
     endpoint: str = "responses"
+    prompt_field: str = "input"
 
     def respond(self, parts: Sequence[RequestOutput]) -> dict:
         """The whole response of a finished request (saved first)."""
