@@ -51,6 +51,7 @@ def test_constrained_output_validates_against_the_schema(seed: int) -> None:
     assert final.outputs[0].finish_reason == "stop"
     Shape.model_validate_json(final.text)
     assert_pool_clean(engine)
+    assert engine.num_constrained == 0
 
 
 def test_n_2_each_branch_follows_its_own_matcher() -> None:
@@ -128,3 +129,15 @@ def test_a_bad_schema_is_a_value_error_naming_it() -> None:
     with pytest.raises(ValueError, match="no-such-format"):
         engine.add_request("r", PROMPT, _params(constraint=bad))
     assert not engine.requests
+
+
+def test_logprobs_are_the_raw_distributions() -> None:
+    """Raw logits, before the mask (a random model ranks most grammar tokens low)."""
+    engine = tiny_engine()
+    engine.add_request("r", PROMPT, _params(seed=4, logprobs=2, constraint=SHAPE))
+    final = run_to_completion(engine)["r"]
+    entries = final.outputs[0].logprobs
+    assert [e.token_id for e in entries] == final.token_ids
+    assert all(e.logprob < 0 and len(e.top) == 2 for e in entries)
+    # a raw top token is mostly one the grammar forbids: the mask did not touch the values
+    assert any(e.rank > 2 for e in entries)

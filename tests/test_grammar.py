@@ -86,3 +86,32 @@ def test_tool_calls_accept_and_reject(
     cache: GrammarCache, mode: str, parallel: bool, text: str, ok: bool
 ) -> None:
     assert accepts(cache, ToolCalls(TOOLS, mode, parallel), text) is ok  # type: ignore[arg-type]
+
+
+def test_special_tokens_are_never_text(cache: GrammarCache) -> None:
+    tokenizer = default_tokenizer()
+    matcher = cache.matcher(JsonOutput(canonical_json(WEATHER)))
+    assert matcher.consume_tokens(tokenizer.encode('{"city": "Os'))
+    mask = matcher.compute_bitmask()
+    allowed = [i for i in range(17) if mask[i // 8] >> (i % 8) & 1]
+    assert allowed == []
+    assert tokenizer.encode("lo")[0] in [
+        i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1
+    ]
+
+
+def test_tool_parameters_may_refer_to_their_defs(cache: GrammarCache) -> None:
+    parameters = {
+        "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+    }
+    tools = (ToolSpec("temp", canonical_json(parameters)),)
+    constraint = ToolCalls(tools, "required")
+    assert accepts(
+        cache, constraint, '<tool_call>{"name": "temp", "arguments": {"unit": "f"}}</tool_call>'
+    )
+    assert not accepts(
+        cache, constraint, '<tool_call>{"name": "temp", "arguments": {"unit": "k"}}</tool_call>'
+    )

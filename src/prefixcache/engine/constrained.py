@@ -13,6 +13,7 @@ whatever it has not seen, so the two can never drift apart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from prefixcache.engine.request import Branch
 
 _BITS = torch.arange(32, dtype=torch.int32)
+log = logging.getLogger("prefixcache.engine")
 
 
 class GrammarState:
@@ -90,4 +92,6 @@ def advance(branch: Branch) -> bool:
     if state is None:
         return False
     state.follow(branch.output.token_ids)
+    if state.matcher.is_error():  # its message quotes output text: only the branch is logged
+        log.warning("the grammar matcher of %s failed; the branch ends", branch.id)
     return state.done

@@ -141,6 +141,7 @@ class LLMEngine:
             loader=self.tier,
         )
         self.requests: dict[str, Request] = {}
+        self.num_constrained = 0  # requests with a grammar: none, and sampling masks nothing
         self.on_retired: list[Callable[[Request], None]] = []  # each finished or aborted one
         self._next_seed = config.seed
         self.seconds_per_token: float | None = None
@@ -264,6 +265,7 @@ class LLMEngine:
             self.tier.prefetch(request)
         self.scheduler.add(request.branches[0])
         self.requests[request_id] = request
+        self.num_constrained += params.constraint is not None
         return request
 
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -389,7 +391,11 @@ class LLMEngine:
         logits = logits[torch.tensor(rows)]
         params = [b.request.params for b in branches]
         histories = [self._history(b) for b in branches]
-        masks = allowed_masks(branches, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        masks = (
+            allowed_masks(branches, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+            if self.num_constrained
+            else None
+        )
         tokens = sample(logits, params, [b.generator for b in branches], histories, masks)
         return Sampled(branches, tokens, self._logprobs(logits, branches, tokens), scored)
 
@@ -500,6 +506,7 @@ class LLMEngine:
     def _retire(self, request: Request) -> None:
         """A request left the engine: stamp it and tell whoever listens (trace-out)."""
         request.metrics.finished_time = time.perf_counter()
+        self.num_constrained -= request.params.constraint is not None
         for hook in self.on_retired:
             hook(request)
 

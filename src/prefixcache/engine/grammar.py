@@ -94,9 +94,15 @@ def tool_calls_lark(constraint: ToolCalls) -> str:
 
 
 def _call_schema(name: str, parameters_json: str) -> dict:
-    """One call's JSON: this tool's name and arguments matching its parameters schema."""
-    parameters = json.loads(parameters_json) or ANY_OBJECT
+    """One call's JSON: this tool's name and arguments matching its parameters schema.
+
+    The parameters' ``$defs``/``definitions`` move to the call's root, where their
+    ``#/$defs/...`` references now point.
+    """
+    parameters = json.loads(parameters_json) or dict(ANY_OBJECT)
+    root = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {
+        **root,
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": parameters},
         "required": ["name", "arguments"],

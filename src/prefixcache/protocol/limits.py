@@ -24,6 +24,7 @@ MAX_MESSAGES = 2048  # chat messages in one request (400)
 MAX_CONTENT_PARTS = 256  # content parts in one message (400)
 MAX_PROMPTS = 64  # prompts in one batched completion request (400)
 MAX_NAME_CHARS = 256  # model, user, cache_salt (400)
+MAX_RESPONSE_SCHEMA_BYTES = 64 * 2**10  # response_format's JSON schema, as compact JSON (400)
 PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
 RETRY_AFTER_SECONDS = 1  # the Retry-After of a 429
 

@@ -143,7 +143,7 @@ class SamplingFields(NullMeansDefault):
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] = Field(default_factory=dict)
-    response_format: dict[str, Any] | None = None
+    response_format: Any = None  # read by protocol/response_format.py
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = False
@@ -196,12 +196,6 @@ class SamplingFields(NullMeansDefault):
             return name, f"{name} is not supported by this server"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of must equal n ({self.n}): only best_of == n is supported"
-        kind = (self.response_format or {"type": "text"}).get("type")
-        if kind != "text":
-            return (
-                "response_format",
-                f"response_format type {kind!r} is not supported (only 'text')",
-            )
         return None
 
     def top_k_limit(self) -> int:

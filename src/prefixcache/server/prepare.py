@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
+from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol import tool_schemas
 from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError, field_path
 from prefixcache.protocol.json_body import load_json
+from prefixcache.protocol.response_format import SCHEMA_FIELD, response_format_constraint
 from prefixcache.protocol.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -232,6 +234,7 @@ def _sampling(
     _check_room(limit, prompts, ctx.context)
     longest = max(len(p) for p in prompts)
     prompt_logprobs = getattr(body, "prompt_logprob_count", lambda: None)()
+    constraint = _constraint(body, ctx, constraint)
     try:
         return SamplingParams(
             n=body.n,
@@ -255,6 +258,34 @@ def _sampling(
         )
     except ValueError as error:  # a combination out of range (min_tokens > max_tokens, ...)
         raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
+
+
+def _constraint(
+    body: SamplingFields, ctx: PrepareContext, tools: Constraint | None
+) -> Constraint | None:
+    """What the output must match: the tools' calls or the response format, not both."""
+    constraint = response_format_constraint(body.response_format)
+    if constraint is None:
+        return compiled(tools, ctx, "tools")
+    if tools is not None:
+        message = (
+            "response_format: a JSON format cannot be combined with tools "
+            "(unless tool_choice is 'none')"
+        )
+        raise ApiError(400, message, "response_format")
+    return compiled(constraint, ctx, SCHEMA_FIELD)
+
+
+def compiled(constraint: Constraint | None, ctx: PrepareContext, field: str) -> Constraint | None:
+    """``constraint``, compiled here (off the event loop; the engine reuses it); 400 naming
+    ``field`` if the grammar cannot compile it."""
+    if constraint is None:
+        return None
+    try:
+        grammar_cache(ctx.tokenizer).compile(constraint)
+    except ValueError as error:
+        raise ApiError(400, f"{field}: {error}", field) from None
+    return constraint
 
 
 def _shape(body: SamplingFields, ctx: PrepareContext, chat: bool) -> openai_format.Shape:

@@ -17,6 +17,7 @@ from prefixcache.server.prepare import (
     PrepareContext,
     Prepared,
     _parse,
+    compiled,
     render_prompt,
     tool_rules,
 )
@@ -51,7 +52,7 @@ def prepare_responses(raw: bytes, ctx: PrepareContext, view: TenantResponses) ->
         max_tokens=limit or room,
         temperature=body.temperature,
         top_p=body.top_p,
-        constraint=rules.constraint,
+        constraint=compiled(rules.constraint, ctx, "tools"),
     )
     shape = ResponsesShape(
         new_id("resp"),
