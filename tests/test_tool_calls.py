@@ -137,6 +137,12 @@ ASK = [{"role": "user", "content": "hi"}]
             "type": "object", "properties": {"x": {"type": "nope"}}}}}]},
          "tools.0.function.parameters"),
         ({"tools": [TOOL, TOOL]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"d": {"type": "string", "format": "no-such"}}}}}]},
+         "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "description": "x" * 70000}}}]}, "tools.0.function.parameters"),
+        ({"tools": [TOOL], "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),

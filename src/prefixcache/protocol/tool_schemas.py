@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from prefixcache.protocol.constraints import ToolCalls, ToolSpec, canonical_json
+from prefixcache.protocol.limits import MAX_RESPONSE_SCHEMA_BYTES
 
 MAX_TOOLS = 128  # tools in one request (OpenAI's limit)
 MAX_TOOL_NAME = 64
@@ -40,6 +41,9 @@ def check_parameters(value: Any) -> dict:
     if kind != "object":
         raise ValueError(f"must be a schema of type 'object' (the arguments), got {_short(kind)}")
     _check_schema(value, "", 0)
+    size = len(canonical_json(value).encode())
+    if size > MAX_RESPONSE_SCHEMA_BYTES:
+        raise ValueError(f"is {size} bytes as JSON; at most {MAX_RESPONSE_SCHEMA_BYTES} allowed")
     return value
 
 
