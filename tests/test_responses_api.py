@@ -138,3 +138,13 @@ def test_the_store_is_bounded_per_tenant_and_expires():
     assert store.get("t1", "big") is not None
     now[0] = 11.0
     assert store.get("t1", "big") is None
+
+
+def test_a_previous_output_can_come_back_as_input_items(served):
+    url, _ = served
+    api = client(url)
+    first = ask(api, input="hello")
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    second = ask(api, input=[{"role": "user", "content": "hello"}, *items, {
+        "role": "user", "content": "again"}])  # fmt: skip
+    assert second.status in ("completed", "incomplete") and second.output[0].type == "message"

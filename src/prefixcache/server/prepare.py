@@ -96,10 +96,9 @@ def tool_rules(tools: list, choice: object, parallel: bool, field: str) -> ToolR
         tool_schemas.unique_names(tools)
         mode, name = tool_schemas.tool_choice(choice, tools, field)
     except ValueError as error:
-        param = "tools" if str(error).startswith("two tools") else field
-        raise ApiError(
-            400, f"{param}: {error}" if param == "tools" else str(error), param
-        ) from None
+        if str(error).startswith("two tools"):
+            raise ApiError(400, f"tools: {error}", "tools") from None
+        raise ApiError(400, str(error), field) from None
     constraint = tool_schemas.constraint(tools, mode, name, parallel)
     if constraint is None:
         return ToolRules()
