@@ -16,7 +16,7 @@ EXAMPLES = 30  # per operation and mode: the file takes about 30 s here
 OPERATIONS = {
     "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
     "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
-    "POST /admin/reset_prefix_cache",
+    "POST /v1/responses", "POST /admin/reset_prefix_cache",
 }  # fmt: skip
 
 
@@ -31,7 +31,7 @@ def test_every_operation_survives_the_fuzzer(tmp_path):
         wait_idle(state)
         assert state.pool.busy == 0 and state.in_flight.held("alpha") == 0
     assert {label.rsplit(" ", 1)[0] for label in ran} == OPERATIONS
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"):
         assert f"POST {path} negative" in ran
     assert_pool_clean(engine)
     assert engine.manager.stats.queries > 0  # valid cases reached the engine

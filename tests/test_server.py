@@ -131,9 +131,9 @@ def test_cached_tokens_are_shared_within_a_tenant_only(served):
         ),
         (
             b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
-            b'"tools": [{"type": "function", "function": {"name": "f"}}]}',
+            b'"functions": [{"name": "f"}]}',
             400,
-            "tools is not supported",
+            "functions is not supported",
         ),
         (
             b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',

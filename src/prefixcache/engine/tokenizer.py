@@ -137,8 +137,19 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it (as transformers renders it)."""
+    @property
+    def has_tool_section(self) -> bool:
+        """Whether the chat template renders tool definitions itself (it reads ``tools``)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The conversation as the model's chat template writes it (as transformers renders it);
+        ``tools`` (OpenAI function tools) go to a template that has a tool section."""
         _check_messages(messages)
         if self._template is None:
             if not self.chat_template:
@@ -148,6 +159,7 @@ class Tokenizer:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:

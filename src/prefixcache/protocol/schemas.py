@@ -33,8 +33,9 @@ from prefixcache.protocol.sampling_limits import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
 )
+from prefixcache.protocol.tool_schemas import MAX_TOOLS, AssistantToolCall, ChatTool
 
-UNSUPPORTED = ("tools", "functions", "suffix")  # rejected when set to anything but empty
+UNSUPPORTED = ("functions", "suffix")  # rejected when set to anything but empty
 TokenIds = list[int]
 TEXT_PART = {
     "type": "object",
@@ -96,9 +97,11 @@ class StreamOptions(NullMeansDefault):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     # str, text parts, or null (assistant)
     content: Any = Field(None, validate_default=True, json_schema_extra=CONTENT_SCHEMA)
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant
+    tool_call_id: str | None = Field(None, max_length=256)  # tool: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -222,6 +225,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from types import FrameType
 
 import uvicorn
@@ -37,6 +38,7 @@ from prefixcache.protocol.front import get_and_head, install_front, uvicorn_conf
 from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
 from prefixcache.protocol.openapi import json_body, responses
+from prefixcache.protocol.responses_schemas import ResponsesRequest
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
@@ -52,13 +54,16 @@ from prefixcache.server.prepare import (
     prepare_completion,
 )
 from prefixcache.server.prepare_pool import PreparePool
+from prefixcache.server.response_store import ResponseStore
+from prefixcache.server.responses_api import prepare_responses
 
 log = logging.getLogger("prefixcache.server")
-CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
-    metered=frozenset({CHAT, COMPLETIONS, MESSAGES}),
+    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES}),
 )
 
 
@@ -75,6 +80,7 @@ class Server:
     in_flight: InFlight  # the global and per-tenant in-flight limits (429)
     pool: PreparePool = field(default_factory=lambda: PreparePool(PREPARE_THREADS))
     identity: dict = field(default_factory=dict)  # see replica_identity
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     draining: bool = False  # shutting down: new requests get 503
 
     @property
@@ -120,7 +126,7 @@ def create_app(
     if publisher is not None:
         server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    bodies = [ChatCompletionRequest, CompletionRequest, MessagesRequest]
+    bodies = [ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest]
     openapi.install(app, bodies, lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
@@ -210,6 +216,17 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         """Anthropic's Messages API; ``cache_control`` breakpoints keep prompt prefixes."""
         return await _serve(server, request, prepare_messages, ANTHROPIC)
 
+    @app.post(
+        RESPONSES,
+        openapi_extra=json_body(ResponsesRequest),
+        responses=responses(None, *engine_statuses, stream=True),
+    )
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API (a subset: docs/api.md)."""
+        view = server.responses.view(tenant_of(request.scope).name)
+        prepare = partial(prepare_responses, view=view)
+        return await _serve(server, request, prepare, in_thread=True)
+
     @app.post("/admin/reset_prefix_cache", responses=responses(openapi.ResetReport, 401, 403))
     async def reset() -> dict:
         """Drop every cached block, if none is in use (admin keys only)."""
@@ -241,13 +258,14 @@ class _Answer:
 
 
 def _openai_stream(ready: Prepared, fan_in: FanIn, done: Callable) -> AsyncIterator[str]:
-    body = ready.body
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    formatter = openai_format.StreamFormatter(ready.shape, len(ready.prompts))
+    """Chat, completions and responses: the shape's own stream formatter, as SSE."""
+    options = getattr(ready.body, "stream_options", None)
+    include_usage = bool(options and options.include_usage)
+    formatter = ready.shape.stream_formatter(len(ready.prompts))
     return _sse(fan_in, formatter, include_usage, done)
 
 
-OPENAI = _Answer(lambda ready, finals: openai_format.response(ready.shape, finals), _openai_stream)
+OPENAI = _Answer(lambda ready, finals: ready.shape.respond(finals), _openai_stream)
 ANTHROPIC = _Answer(
     lambda ready, finals: anthropic_format.response(ready.shape, finals),
     lambda ready, fan_in, done: anthropic_format.events(ready.shape, fan_in, done),
@@ -259,13 +277,18 @@ async def _serve(
     request: Request,
     prepare: Callable[[bytes, PrepareContext], Prepared],
     answer: _Answer = OPENAI,
+    in_thread: bool = False,
 ) -> Response:
     """Prepare the body off the loop, admit it, run it (one engine request per prompt)."""
     tenant = tenant_of(request.scope)
     ticket: Ticket = request.scope["state"]["ticket"]
     if server.draining:
         raise ApiError(503, "the server is shutting down; retry on another replica")
-    ready = await server.pool.prepare(prepare, await request.body(), server.prepare)
+    raw = await request.body()
+    if in_thread:  # it reads this process's state (the stored responses)
+        ready = await server.pool.run(prepare, raw, server.prepare)
+    else:
+        ready = await server.pool.prepare(prepare, raw, server.prepare)
     prompts, body, shape = ready.prompts, ready.body, ready.shape
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
@@ -275,8 +298,7 @@ async def _serve(
         server.tenants.cache_key_id(tenant, getattr(body, "prompt_cache_key", None)),
     )
     fan_in = await _open(server, tenant, ready, (salt, previous), controls)
-    endpoint = getattr(shape, "endpoint", "chat" if shape.chat else "completions")
-    done = _Done(server, tenant, salt, shape.request_id, endpoint, controls.cache_key)
+    done = _Done(server, tenant, salt, shape.request_id, shape.endpoint, controls.cache_key)
     if body.stream:
         return _Stream(answer.stream(ready, fan_in, done), lambda: done.once(fan_in))
     try:
@@ -335,7 +357,7 @@ async def _open(
         for stream in streams:
             stream.close()
         if isinstance(failure, ValueError):  # the engine refused it: too long, bad token id
-            param = "messages" if shape.chat else "prompt"
+            param = shape.prompt_field
             raise ApiError(400, str(failure), param) from None
         raise failure
     return FanIn(streams)
@@ -461,10 +483,10 @@ async def _sse(fan_in: FanIn, formatter, include_usage: bool, done: _Done):
             part, output = await fan_in.next()
             for event in formatter.chunks(output, part):
                 yield event
-        if include_usage:
-            yield formatter.usage_chunk(fan_in.finals())
+        last = formatter.last_chunks(fan_in.finals(), include_usage)
         status = "ok"
-        yield openai_format.DONE
+        for event in last:
+            yield event
     except RuntimeError as error:  # the engine step failed: tell the client, end cleanly
         status = "engine_error"
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"

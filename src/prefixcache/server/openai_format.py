@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from prefixcache.engine.logprobs import Logprob
 from prefixcache.engine.request import CompletionOutput, RequestOutput
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -29,11 +30,26 @@ class Shape:
     tokenizer: Tokenizer
     logprobs: bool = False  # generated tokens' logprobs
     echo: list[str] | None = None  # completions: each part's prompt text, shown first
+    tool_names: frozenset[str] | None = None  # chat with tools: calls are parsed out
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.chat else "completions"
+
+    def respond(self, parts: Sequence[RequestOutput]) -> dict:
+        return response(self, parts)
+
+    def stream_formatter(self, num_parts: int) -> StreamFormatter:
+        return StreamFormatter(self, num_parts)
 
 
 def usage(parts: Sequence[RequestOutput]) -> dict:
@@ -80,10 +96,11 @@ class _ChoiceWriter:
 
     def full(self, o: CompletionOutput) -> dict:
         if self.shape.chat:
+            message, finish = self.message(o)
             return {
                 "index": self.index(o),
-                "message": {"role": "assistant", "content": o.text},
-                "finish_reason": _finish(o.finish_reason),
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": self.chat_logprobs(o.logprobs),
             }
         echo = self.echo_text()
@@ -94,6 +111,24 @@ class _ChoiceWriter:
             "finish_reason": _finish(o.finish_reason),
             "logprobs": logprobs,
         }
+
+    def message(self, o: CompletionOutput) -> tuple[dict, str | None]:
+        """The assistant message (its tool calls parsed out) and the finish reason."""
+        if self.shape.tool_names is None:
+            return {"role": "assistant", "content": o.text}, _finish(o.finish_reason)
+        found = scan(o.text, self.shape.tool_names, final=True)
+        message: dict = {"role": "assistant", "content": content_of(found)}
+        if not found.complete_calls:
+            return message, _finish(o.finish_reason)
+        message["tool_calls"] = [
+            {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in found.complete_calls
+        ]
+        return message, "tool_calls"
 
     def echo_text(self) -> str:
         return "" if self.shape.echo is None else self.shape.echo[self.part]
@@ -163,6 +198,8 @@ class StreamFormatter:
         self.sent_offset = [0] * count
         self.sent_finish = [False] * count
         self.started = [False] * count
+        names = shape.tool_names
+        self.tools = None if names is None else [ToolStream(names) for _ in range(count)]
 
     def first_chunks(self) -> list[str]:
         """Chat streams open with the assistant role, one chunk per choice."""
@@ -187,10 +224,39 @@ class StreamFormatter:
         writer = _ChoiceWriter(self.shape, part, output)
         events = []
         for o in output.outputs:
+            if self.tools is not None:
+                events.extend(self._event([c]) for c in self._tool_choices(writer, o))
+                continue
             choice = self._choice(writer, o)
             if choice is not None:
                 events.append(self._event([choice]))
         return events
+
+    def _tool_choices(self, writer: _ChoiceWriter, o: CompletionOutput) -> list[dict]:
+        """A choice with tools: one chunk per content delta, call opened, arguments delta."""
+        i = writer.index(o)
+        stream = self.tools[i]
+        finished = o.finish_reason is not None and not self.sent_finish[i]
+        deltas = [_tool_delta(event) for event in stream.update(o.text, finished)]
+        entries = (o.logprobs or [])[self.sent_tokens[i] :] if self.shape.logprobs else []
+        if finished:
+            reason = "tool_calls" if stream.ids else _finish(o.finish_reason)
+        if not deltas and (entries or finished):
+            deltas = [{}]
+        self.sent_tokens[i] += len(entries)
+        self.sent_finish[i] |= finished
+        choices = [
+            {"index": i, "delta": d, "finish_reason": None, "logprobs": None} for d in deltas
+        ]
+        if choices and entries:
+            choices[0]["logprobs"] = writer.chat_logprobs(entries)
+        if finished:
+            choices[-1]["finish_reason"] = reason
+        return choices
+
+    def last_chunks(self, parts: Sequence[RequestOutput], include_usage: bool) -> list[str]:
+        """The end of the stream: the usage chunk if asked for, then [DONE]."""
+        return [self.usage_chunk(parts), DONE] if include_usage else [DONE]
 
     def _choice(self, writer: _ChoiceWriter, o: CompletionOutput) -> dict | None:
         i = writer.index(o)
@@ -231,6 +297,21 @@ class StreamFormatter:
             **extra,
         }
         return f"data: {json.dumps(body)}\n\n"
+
+
+def _tool_delta(event: tuple) -> dict:
+    """A ToolStream event as OpenAI's chat delta."""
+    if event[0] == "text":
+        return {"content": event[1]}
+    if event[0] == "call":
+        _, index, call_id, name = event
+        function = {"name": name, "arguments": ""}
+        return {
+            "tool_calls": [
+                {"index": index, "id": call_id, "type": "function", "function": function}
+            ]
+        }
+    return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
 
 
 DONE = "data: [DONE]\n\n"

@@ -16,12 +16,18 @@ from prefixcache.cache.retention import Keep
 from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol import tool_schemas
 from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError, field_path
 from prefixcache.protocol.json_body import load_json
 from prefixcache.protocol.response_format import SCHEMA_FIELD, response_format_constraint
-from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from prefixcache.server import openai_format
+from prefixcache.protocol.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from prefixcache.server import openai_format, tool_prompt
 
 Prompts = list[list[int]]  # one token-id prompt per engine request
 
@@ -66,17 +72,67 @@ class Prepared:
 def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A chat body: its messages' text bounded, templated and tokenized."""
     body = parse_body(raw, ChatCompletionRequest, ctx)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    chars = sum(len(m["content"]) for m in messages)
-    if chars > ctx.max_prompt_chars:
-        raise ApiError(400, too_many_chars("messages", chars, ctx), "messages")
+    tools = [t.function for t in body.tools]
+    rules = tool_rules(tools, body.tool_choice, body.parallel_tool_calls, "tool_choice")
+    turns = [_turn(i, m) for i, m in enumerate(body.messages)]
+    lost = tool_prompt.unanswerable(turns)
+    if lost is not None:
+        field = f"messages.{lost}.tool_call_id"
+        raise ApiError(400, f"{field}: answers no tool call of an earlier message", field)
+    prompts = [render_prompt(ctx, turns, tools, "messages")]
+    shape = _shape(body, ctx, chat=True)
+    shape.tool_names = rules.names
+    return Prepared(body, prompts, _sampling(body, prompts, ctx, rules.constraint), shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRules:
+    """What tools do to a request: the output constraint and the names calls may use."""
+
+    constraint: Constraint | None = None
+    names: frozenset[str] | None = None  # None: no call is parsed out of the text
+
+
+def tool_rules(tools: list, choice: object, parallel: bool, field: str) -> ToolRules:
+    """The constraint for ``tool_choice``; 400 naming ``field`` for a choice that cannot be."""
     try:
-        text = ctx.tokenizer.apply_chat_template(messages)
+        tool_schemas.unique_names(tools)
+        mode, name = tool_schemas.tool_choice(choice, tools, field)
     except ValueError as error:
-        raise ApiError(400, f"messages: {error}", "messages") from None
-    prompts = [ctx.tokenizer.encode(text)]
-    check_tokens(prompts, ctx, "messages")
-    return Prepared(body, prompts, _sampling(body, prompts, ctx), _shape(body, ctx, chat=True))
+        if str(error).startswith("two tools"):
+            raise ApiError(400, f"tools: {error}", "tools") from None
+        raise ApiError(400, str(error), field) from None
+    constraint = tool_schemas.constraint(tools, mode, name, parallel)
+    if constraint is None:
+        return ToolRules()
+    return ToolRules(constraint, frozenset(t.name for t in constraint.tools))
+
+
+def render_prompt(
+    ctx: PrepareContext, turns: list[tool_prompt.Turn], tools: list, field: str
+) -> list[int]:
+    """The conversation's token ids, its size checked before and after tokenizing."""
+    chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
+    if chars > ctx.max_prompt_chars:
+        raise ApiError(400, too_many_chars(field, chars, ctx), field)
+    try:
+        text = tool_prompt.render(ctx.tokenizer, turns, tools)
+    except ValueError as error:
+        raise ApiError(400, f"{field}: {error}", field) from None
+    prompt = ctx.tokenizer.encode(text)
+    check_tokens([prompt], ctx, field)
+    return prompt
+
+
+def _turn(index: int, message: ChatMessage) -> tool_prompt.Turn:
+    if message.tool_calls and message.role != "assistant":
+        field = f"messages.{index}.tool_calls"
+        raise ApiError(400, f"{field}: only assistant messages make tool calls", field)
+    calls = [
+        tool_prompt.Call(c.id, c.function.name, c.function.arguments)
+        for c in message.tool_calls or []
+    ]
+    return tool_prompt.Turn(message.role, message.text(), calls, message.tool_call_id)
 
 
 def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
@@ -169,13 +225,18 @@ def check_room(limit: int | None, prompts: Prompts, context: int) -> None:
             )
 
 
-def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> SamplingParams:
+def _sampling(
+    body: SamplingFields,
+    prompts: Prompts,
+    ctx: PrepareContext,
+    constraint: Constraint | None = None,
+) -> SamplingParams:
     """Sampling parameters, with the token limit checked against the context."""
     limit = body.token_limit()
     check_room(limit, prompts, ctx.context)
     longest = max(len(p) for p in prompts)
     prompt_logprobs = getattr(body, "prompt_logprob_count", lambda: None)()
-    constraint = _constraint(body, ctx)
+    constraint = _constraint(body, ctx, constraint)
     try:
         return SamplingParams(
             n=body.n,
@@ -201,15 +262,31 @@ def _sampling(body: SamplingFields, prompts: Prompts, ctx: PrepareContext) -> Sa
         raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None
 
 
-def _constraint(body: SamplingFields, ctx: PrepareContext) -> Constraint | None:
-    """What the output must match, compiled here (off the event loop; the engine reuses it)."""
+def _constraint(
+    body: SamplingFields, ctx: PrepareContext, tools: Constraint | None
+) -> Constraint | None:
+    """What the output must match: the tools' calls or the response format, not both."""
     constraint = response_format_constraint(body.response_format)
+    if constraint is None:
+        return compiled(tools, ctx, "tools")
+    if tools is not None:
+        message = (
+            "response_format: a JSON format cannot be combined with tools "
+            "(unless tool_choice is 'none')"
+        )
+        raise ApiError(400, message, "response_format")
+    return compiled(constraint, ctx, SCHEMA_FIELD)
+
+
+def compiled(constraint: Constraint | None, ctx: PrepareContext, field: str) -> Constraint | None:
+    """``constraint``, compiled here (off the event loop; the engine reuses it); 400 naming
+    ``field`` if the grammar cannot compile it."""
     if constraint is None:
         return None
     try:
         grammar_cache(ctx.tokenizer).compile(constraint)
     except ValueError as error:
-        raise ApiError(400, f"{SCHEMA_FIELD}: {error}", SCHEMA_FIELD) from None
+        raise ApiError(400, f"{field}: {error}", field) from None
     return constraint
 
 

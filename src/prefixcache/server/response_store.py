@@ -1,0 +1,90 @@
+"""Stored responses for ``previous_response_id``: in memory, per tenant, bounded, with a TTL.
+
+An entry is a conversation (its turns, the response's output last) and token counts; it is
+never logged or exported. Another tenant's id, an expired one and one made with
+``store: false`` are all simply absent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefixcache.server.tool_prompt import Turn
+
+MAX_PER_TENANT = 256  # stored responses per tenant; the oldest goes first
+MAX_CHARS_PER_TENANT = 16 * 2**20  # characters of stored conversations per tenant
+TTL_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    turns: tuple[Turn, ...]
+    input_tokens: int
+    output_tokens: int
+    expires: float
+    chars: int
+
+
+class ResponseStore:
+    """Responses by (tenant, id); safe to use from the prepare threads and the loop."""
+
+    def __init__(
+        self,
+        max_per_tenant: int = MAX_PER_TENANT,
+        ttl: float = TTL_SECONDS,
+        max_chars: int = MAX_CHARS_PER_TENANT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_per_tenant, self.ttl, self.clock = max_per_tenant, ttl, clock
+        self.max_chars = max_chars
+        self._by_tenant: dict[str, OrderedDict[str, Stored]] = {}
+        self._chars: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def put(
+        self, tenant: str, response_id: str, turns: list[Turn], counts: tuple[int, int]
+    ) -> None:
+        """Keep a response; the tenant's oldest beyond the bounds are dropped (a conversation
+        larger than the whole character bound is not kept)."""
+        chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
+        entry = Stored(tuple(turns), counts[0], counts[1], self.clock() + self.ttl, chars)
+        with self._lock:
+            entries = self._by_tenant.setdefault(tenant, OrderedDict())
+            self._chars[tenant] = self._chars.get(tenant, 0) + chars
+            entries[response_id] = entry
+            while entries and (
+                len(entries) > self.max_per_tenant or self._chars[tenant] > self.max_chars
+            ):
+                self._chars[tenant] -= entries.popitem(last=False)[1].chars
+
+    def get(self, tenant: str, response_id: str) -> Stored | None:
+        """The tenant's live response of that id, or None."""
+        with self._lock:
+            entries = self._by_tenant.get(tenant, OrderedDict())
+            entry = entries.get(response_id)
+            if entry is not None and entry.expires <= self.clock():
+                del entries[response_id]
+                self._chars[tenant] -= entry.chars
+                return None
+            return entry
+
+    def view(self, tenant: str) -> TenantResponses:
+        return TenantResponses(self, tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantResponses:
+    """One tenant's side of the store: all a request may see or add."""
+
+    store: ResponseStore
+    tenant: str
+
+    def get(self, response_id: str) -> Stored | None:
+        return self.store.get(self.tenant, response_id)
+
+    def put(self, response_id: str, turns: list[Turn], counts: tuple[int, int]) -> None:
+        self.store.put(self.tenant, response_id, turns, counts)

@@ -1,0 +1,177 @@
+"""Tool calls end to end on the real default model, through the openai SDK unchanged:
+grammar-forced calls, a streamed call, a cached three-turn loop, the Responses round trip."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from engine_fixtures import default_engine
+from prefixcache.protocol.auth import Tenants
+from server_fixtures import running_server, wait_idle
+
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with running_server(default_engine(), Tenants(None), model_name=MODEL) as (url, state):
+        block = httpx.get(url + "/health").json()["block_size"]
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0), block
+        wait_idle(state)
+
+
+def chat(api: openai.OpenAI, messages: list, **fields):
+    fields = {"max_tokens": 40, "temperature": 0, **fields}
+    return api.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], **fields
+    )
+
+
+def _valid(call) -> dict:
+    """The call's arguments, checked against its tool's schema by hand."""
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+        assert len(arguments["city"]) <= 20
+    else:
+        assert arguments in ({"zone": "UTC"}, {"zone": "CET"})
+    return arguments
+
+
+def test_required_and_named_choices_call_with_valid_arguments(served):
+    api, _ = served
+    required = chat(api, ASK, tool_choice="required", parallel_tool_calls=False)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    _valid(call)
+    named = chat(api, ASK, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = named.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_time" for c in calls)
+    for c in calls:
+        _valid(c)
+
+
+def test_a_streamed_call_reassembles_into_the_same_call(served):
+    api, _ = served
+    whole = chat(api, ASK, tool_choice="required", parallel_tool_calls=False)
+    (expected,) = whole.choices[0].message.tool_calls
+    chunks = list(chat(api, ASK, tool_choice="required", parallel_tool_calls=False, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.content for d in deltas)
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == expected.function.name
+    assert len(calls) > 2 and all(t.index == 0 for t in calls)
+    assert "".join(t.function.arguments or "" for t in calls) == expected.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_three_turn_tool_loop_stays_cached(served):
+    api, block = served
+    messages = list(ASK)
+    first = chat(api, messages, tool_choice="required", parallel_tool_calls=False)
+    (call,) = first.choices[0].message.tool_calls
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18, "sky": "clear"}'},
+    ]
+    second = chat(api, messages, tool_choice="auto", max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": second.choices[0].message.content or ""},
+        {"role": "user", "content": "And the time in UTC?"},
+    ]
+    third = chat(api, messages, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert third.choices[0].message.tool_calls[0].function.name == "get_time"
+    for before, after in ((first, second), (second, third)):
+        covered = (before.usage.prompt_tokens // block - 1) * block
+        assert after.usage.prompt_tokens_details.cached_tokens >= covered
+
+
+def test_responses_function_call_round_trip(served):
+    api, block = served
+    tool = {"type": "function", **WEATHER["function"]}
+    first = api.responses.create(
+        model=MODEL,
+        instructions="You answer weather questions with the tool.",
+        input="Weather in Rome?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.status == "completed"
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    second = api.responses.create(
+        model=MODEL,
+        instructions="You answer weather questions with the tool.",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "20 C"}],
+        tools=[tool],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=8,
+    )
+    assert second.output[0].type == "message" and second.output_text
+    covered = (first.usage.input_tokens // block - 1) * block
+    assert second.usage.input_tokens_details.cached_tokens >= covered
+
+
+def test_a_streamed_responses_call_matches_its_final_item(served):
+    api, _ = served
+    tool = {"type": "function", **WEATHER["function"]}
+    events = list(
+        api.responses.create(
+            model=MODEL,
+            input="Weather in Oslo?",
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_output_tokens=64,  # the grammar lets up to 16 newlines follow the call
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    assert "response.output_text.delta" not in kinds
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (item,) = events[-1].response.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert "".join(fragments) == done.arguments == item.arguments
+    assert isinstance(json.loads(item.arguments)["city"], str)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
