@@ -78,6 +78,9 @@ def test_an_unsupported_schema_names_the_part(cache: GrammarCache) -> None:
         ("required", True, "", False),
         ("required", False, CALL, True),
         ("required", False, CALL + NOOP, False),
+        ("required", True, CALL + "\n", True),  # a little padding before the end
+        ("required", True, CALL + "\n\n\n", False),  # not more: a model must stop
+        ("auto", False, CALL + "\n\n\n", False),
         ("auto", True, CALL.replace("get_weather", "get_time"), False),
         ("auto", True, CALL.replace('"Paris"', "3"), False),
     ],

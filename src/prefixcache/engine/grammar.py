@@ -4,7 +4,7 @@ JSON output is compact with OpenAI's spacing (``{"a": 1, "b": [2, 3]}``: ", " an
 no other whitespace), so a model cannot stall in whitespace. Tool calls are a Lark grammar:
 ``auto`` is free text without TOOL_CALL_OPEN then calls, ``required`` one or more calls,
 ``parallel=False`` at most one (whitespace around the JSON and between calls, at most
-MAX_WHITESPACE characters each); each call's JSON is ``{"name": ..., "arguments": ...}``
+MAX_WHITESPACE characters each, MAX_END_WHITESPACE after the last); each call's JSON is ``{"name": ..., "arguments": ...}``
 with the name one of the tools and the arguments that tool's schema. Compiled grammars are
 cached by constraint (bounded LRU); a schema llguidance cannot compile is a ValueError whose
 message is llguidance's, naming the unsupported part.
@@ -31,6 +31,7 @@ from prefixcache.protocol.constraints import (
 
 CACHE_SIZE = 64
 MAX_WHITESPACE = 16  # characters around a call's JSON and between calls: a model can't stall
+MAX_END_WHITESPACE = 2  # after the last call: a model that pads before EOS stops soon
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 ANY_OBJECT = {"type": "object"}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
@@ -75,9 +76,9 @@ def tool_calls_lark(constraint: ToolCalls) -> str:
         raise ValueError("tools must name at least one tool")
     more = "(WS? call)*" if constraint.parallel else ""
     if constraint.mode == "required":
-        start = f"start: WS? call {more} WS?"
+        start = f"start: WS? call {more} END_WS?"
     else:  # text alone, or text ending in the first TOOL_CALL_OPEN, then that call's rest
-        start = f"start: TEXT? | text_open call_rest {more} WS?"
+        start = f"start: TEXT? | text_open call_rest {more} END_WS?"
     open_, close = json.dumps(TOOL_CALL_OPEN), json.dumps(TOOL_CALL_CLOSE)
     lines = [
         start,
@@ -86,6 +87,7 @@ def tool_calls_lark(constraint: ToolCalls) -> str:
         f"text_open[lazy]: /(?s:.*){_regex_literal(TOOL_CALL_OPEN)}/",
         "call_json: " + " | ".join(f"tool_{i}" for i in range(len(constraint.tools))),
         f"WS: /[ \\t\\r\\n]{{1,{MAX_WHITESPACE}}}/",
+        f"END_WS: /[ \\t\\r\\n]{{1,{MAX_END_WHITESPACE}}}/",
         f"TEXT: /(?s:.+)/ & ~/(?s:.*){_regex_literal(TOOL_CALL_OPEN)}(?s:.*)/",
     ]
     for i, tool in enumerate(constraint.tools):
