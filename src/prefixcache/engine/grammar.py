@@ -4,7 +4,8 @@ JSON output is compact with OpenAI's spacing (``{"a": 1, "b": [2, 3]}``: ", " an
 no other whitespace), so a model cannot stall in whitespace. Tool calls are a Lark grammar:
 ``auto`` is free text without TOOL_CALL_OPEN then calls, ``required`` one or more calls,
 ``parallel=False`` at most one (whitespace around the JSON and between calls, at most
-MAX_WHITESPACE characters each, MAX_END_WHITESPACE after the last); each call's JSON is ``{"name": ..., "arguments": ...}``
+MAX_WHITESPACE characters each, MAX_END_WHITESPACE after the last); each call's JSON is
+``{"name": ..., "arguments": ...}``
 with the name one of the tools and the arguments that tool's schema. Compiled grammars are
 cached by constraint (bounded LRU); a schema llguidance cannot compile is a ValueError whose
 message is llguidance's, naming the unsupported part.
