@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fairness.py
 	$(BIN)/python benchmarks/hardening.py
 	$(BIN)/python benchmarks/agents.py
+	$(BIN)/python benchmarks/structured.py
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab
