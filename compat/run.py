@@ -181,6 +181,10 @@ CHECKS: dict[str, Callable[[int], str]] = {
     "langchain": script_check("langchain", "check_langchain.py"),
     "litellm": script_check("litellm", "check_litellm.py"),
     "openai": script_check("openai", "check_openai.py"),
+    "agents": script_check("agents", "check_agents.py"),
+    "instructor": script_check("instructor", "check_instructor.py"),
+    "langchain-tools": script_check("langchain-tools", "check_langchain_tools.py"),
+    "litellm-tools": script_check("litellm-tools", "check_litellm_tools.py"),
 }
 
 
