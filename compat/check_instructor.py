@@ -5,7 +5,7 @@ from enum import StrEnum
 
 import instructor
 from openai import OpenAI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 base_url, model = sys.argv[1], sys.argv[2]
 
@@ -16,18 +16,12 @@ class Line(StrEnum):
     night = "night"
 
 
-class Strict(BaseModel):
-    """No extra keys (JSON Schema allows them unless additionalProperties is false)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class Station(Strict):
+class Station(BaseModel):
     city: str
     platform: int
 
 
-class Journey(Strict):
+class Journey(BaseModel):
     line: Line
     stops: list[str] = Field(max_length=4)
     departure: Station

@@ -118,3 +118,23 @@ def test_tool_parameters_may_refer_to_their_defs(cache: GrammarCache) -> None:
     assert not accepts(
         cache, constraint, '<tool_call>{"name": "temp", "arguments": {"unit": "k"}}</tool_call>'
     )
+
+
+def test_objects_that_list_properties_are_closed_unless_they_say_otherwise(
+    cache: GrammarCache,
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "inner": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "properties": {"const": {"properties": 1}},  # a property named so; a literal
+        },
+    }
+    closed = JsonOutput(canonical_json(schema))
+    assert accepts(cache, closed, '{"a": 1, "inner": {"b": "x"}, "open": {"z": 2}}')
+    assert not accepts(cache, closed, '{"a": 1, "extra": 2}')
+    assert not accepts(cache, closed, '{"inner": {"b": "x", "type": "integer"}}')
+    assert accepts(cache, closed, '{"properties": {"properties": 1}}')
+    assert accepts(cache, JsonOutput(None), '{"anything": [1]}')  # json_object stays open

@@ -64,7 +64,9 @@ def llg_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 def grammar_source(constraint: Constraint) -> str:
     """The llguidance grammar (its JSON form) a constraint stands for."""
     if isinstance(constraint, JsonOutput):
-        schema = ANY_OBJECT if constraint.schema_json is None else constraint.schema_json
+        if constraint.schema_json is None:
+            return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_STYLE)
+        schema = closed_objects(json.loads(constraint.schema_json))
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
     if isinstance(constraint, ToolCalls):
         return llguidance.LLMatcher.grammar_from_lark(tool_calls_lark(constraint))
@@ -102,7 +104,7 @@ def _call_schema(name: str, parameters_json: str) -> dict:
     The parameters' ``$defs``/``definitions`` move to the call's root, where their
     ``#/$defs/...`` references now point.
     """
-    parameters = json.loads(parameters_json) or dict(ANY_OBJECT)
+    parameters = closed_objects(json.loads(parameters_json)) or dict(ANY_OBJECT)
     root = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {
         **root,
@@ -112,6 +114,32 @@ def _call_schema(name: str, parameters_json: str) -> dict:
         "additionalProperties": False,
         "x-guidance": JSON_STYLE,
     }
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed_objects(schema: object) -> object:
+    """``schema`` with every object that lists ``properties`` but says nothing of others
+    closed (``additionalProperties: false``), as OpenAI's strict mode and xgrammar read it:
+    open, a model that sees the schema in its prompt copies it into the arguments."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    for key in _SUBSCHEMAS:
+        if key in closed:
+            closed[key] = closed_objects(closed[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(sub) for sub in closed[key]]
+    if "properties" in closed and not {"additionalProperties", "patternProperties"} & closed.keys():
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _regex_literal(text: str) -> str:
