@@ -15,7 +15,7 @@ MODES = {"auto": "auto", "any": "required", "none": "none"}
 KINDS = "'auto', 'any', 'tool' or 'none'"
 
 
-def openai_tool_choice(value: Any, has_tools: bool) -> tuple[object, bool]:
+def openai_tool_choice(value: Any, names: set[str]) -> tuple[object, bool]:
     """``(tool_choice as chat completions spells it, parallel calls allowed)``; 400 naming
     the field otherwise."""
     if value is None:
@@ -28,14 +28,15 @@ def openai_tool_choice(value: Any, has_tools: bool) -> tuple[object, bool]:
         field = "tool_choice.disable_parallel_tool_use"
         raise ApiError(400, f"{field}: must be a boolean", field)
     kind = value.get("type")
-    if kind in ("any", "tool") and not has_tools:
+    if kind in ("any", "tool") and not names:
         raise ApiError(400, f"tool_choice: type {kind!r} needs tools", "tool_choice")
     if kind in MODES:
         return MODES[kind], not disable
     if kind == "tool":
         name = value.get("name")
-        if not isinstance(name, str):
-            raise ApiError(400, "tool_choice.name: must name one of the tools", "tool_choice.name")
+        if not isinstance(name, str) or name not in names:
+            message = f"tool_choice.name: must name one of the tools, got {_short(name)}"
+            raise ApiError(400, message, "tool_choice.name")
         return {"type": "function", "name": name}, not disable
     message = f"tool_choice.type: must be {KINDS}, got {_short(kind)}"
     raise ApiError(400, message, "tool_choice.type")

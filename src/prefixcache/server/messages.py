@@ -43,7 +43,7 @@ def prepare_messages(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A Messages body: checked, templated, tokenized, its breakpoints as retention asks."""
     body: MessagesRequest = parse_body(raw, MessagesRequest, ctx)  # type: ignore[assignment]
     tools = [t.function() for t in body.tools]
-    choice, parallel = openai_tool_choice(body.tool_choice, bool(tools))
+    choice, parallel = openai_tool_choice(body.tool_choice, {t.name for t in tools})
     rules = tool_rules(tools, choice, parallel, "tool_choice")
     turns, marks = conversation(body)
     chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
