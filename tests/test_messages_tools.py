@@ -77,6 +77,17 @@ def test_a_breakpoint_on_the_last_tool_keeps_the_prompt_through_the_tools_block(
     assert ready.prompts[0][: len(through)] == through
 
 
+def test_a_breakpoint_on_a_tool_result_keeps_the_prompt_through_its_content():
+    engine = tiny_engine()
+    ctx = prepare_context(engine, "tiny")
+    body = anthropic_body()
+    body["messages"][2]["content"][0] = {**RESULT, "cache_control": {"type": "ephemeral"}}
+    ready = prepare_messages(json.dumps(body).encode(), ctx)
+    (keep,) = ready.retention
+    through = engine.tokenizer.decode(ready.prompts[0][: keep.num_tokens])
+    assert through.endswith("<tool_response>\n12:00") and keep.retention_class == "5m"
+
+
 @pytest.fixture(scope="module")
 def served():
     engine = tiny_engine(num_kv_blocks=128)
