@@ -288,11 +288,7 @@ def _marked(ttl: str) -> dict:
 
 BAD = [
     ({"messages": _with({"type": "image", "source": {}})}, "messages.0.content.0.type"),
-    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
-     "messages.0.content.0.type"),
-    ({"messages": _with({"type": "tool_result", "tool_use_id": "t"})}, "messages.0.content.0.type"),
     ({"system": [{"type": "document", "source": {}}]}, "system.0.type"),
-    ({"tools": [{"name": "f", "input_schema": {}}]}, "tools"),
     ({"messages": _with(*[_marked("5m")] * 5)}, "messages.0.content.4.cache_control"),
     ({"messages": _with(_marked("2h"))}, "messages.0.content.0.cache_control.ttl"),
     ({"messages": _with({**TEXT, "cache_control": {"type": "persistent"}})},

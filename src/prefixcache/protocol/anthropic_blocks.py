@@ -1,13 +1,17 @@
-"""A Messages API body as turns of text and its cache breakpoints, checked block by block.
+"""A Messages API body as the conversation every API shares, and its cache breakpoints.
 
-Every error is a 400 naming the block's field (``messages.2.content.1.cache_control.ttl``).
-A breakpoint is a ``cache_control`` on a text block (or the request's own, on its last
-block): the prompt through the end of that block is to stay cached for its ttl.
+Text blocks are a turn's content; an assistant's ``tool_use`` blocks are its calls; each
+user ``tool_result`` block is a tool turn answering an earlier call (``protocol/turns.py``),
+so the conversation renders exactly as the same one through chat completions. Every error
+is a 400 naming the block's field (``messages.2.content.1.cache_control.ttl``). A
+breakpoint is a ``cache_control`` on a tool, a block, or the request's own (its last
+block): the prompt through the end of that is to stay cached for its ttl.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
@@ -17,25 +21,19 @@ from prefixcache.protocol.cache_controls import (
     MAX_ANTHROPIC_BREAKPOINTS,
 )
 from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.tool_schemas import MAX_TOOL_NAME, TOOL_NAME
+from prefixcache.protocol.turns import Call, Turn
 
-NOT_YET = ("image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking")
-
-
-@dataclass(slots=True)
-class Turn:
-    """One message of the rendered conversation: its role and its text blocks."""
-
-    role: str
-    texts: list[str] = field(default_factory=list)
-
-    @property
-    def content(self) -> str:
-        return "".join(self.texts)
+NOT_YET = ("image", "document", "thinking", "redacted_thinking")
+TOOLS = -1  # a breakpoint's turn: the end of the tools block
+MAX_ID_CHARS = 256
+ERROR_PREFIX = "Error: "  # before a tool_result's content when its is_error is true
 
 
 @dataclass(frozen=True, slots=True)
 class Breakpoint:
-    """The end of a marked block: turn index, characters of that turn's content, ttl."""
+    """The end of a marked block: turn index (or TOOLS), characters of that turn's
+    content, ttl."""
 
     turn: int
     chars: int
@@ -47,12 +45,19 @@ def conversation(body: MessagesRequest) -> tuple[list[Turn], list[Breakpoint]]:
     """The turns (system first, if any) and the breakpoints in prompt order, checked."""
     turns: list[Turn] = []
     marks: list[Breakpoint] = []
+    for i, tool in enumerate(body.tools):  # tools come first: they render in the system block
+        if tool.cache_control is not None:
+            where = f"tools.{i}.cache_control"
+            marks.append(Breakpoint(TOOLS, 0, cache_ttl(tool.cache_control, where), where))
     if body.system is not None:
-        turns.append(Turn("system"))
-        _add_content(turns, marks, body.system, "system", system=True)
+        _add_system(turns, marks, body.system)
+    calls: set[str] = set()
     for i, message in enumerate(body.messages):
-        turns.append(Turn(message.role))
-        _add_content(turns, marks, message.content, f"messages.{i}.content", system=False)
+        path = f"messages.{i}.content"
+        if message.role == "assistant":
+            _add_assistant(turns, marks, message.content, path, calls)
+        else:
+            _add_user(turns, marks, message.content, path, calls)
     if body.cache_control is not None:
         ttl = cache_ttl(body.cache_control, "cache_control")
         last = len(turns) - 1
@@ -61,37 +66,127 @@ def conversation(body: MessagesRequest) -> tuple[list[Turn], list[Breakpoint]]:
     return turns, marks
 
 
-def _add_content(
-    turns: list[Turn], marks: list[Breakpoint], content: Any, path: str, system: bool
-) -> None:
-    """A string or a list of text blocks onto the last turn, with their breakpoints."""
-    turn = turns[-1]
+def _blocks(content: Any, path: str) -> list:
+    """A content as blocks (a string is one text block); 400 for anything else."""
     if isinstance(content, str):
-        turn.texts.append(content)
-        return
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        what = "a string or a list of text blocks"
+        what = "a string or a list of content blocks"
         raise ApiError(400, f"{path}: must be {what}, got {type(content).__name__}", path)
-    for j, block in enumerate(content):
+    return content
+
+
+def _mark(block: dict, where: str, turns: list[Turn], marks: list[Breakpoint]) -> None:
+    """The block's breakpoint, if any, at the end of the last turn's content so far."""
+    control = block.get("cache_control")
+    if control is not None:
+        ttl = cache_ttl(control, f"{where}.cache_control")
+        at = len(turns[-1].content)
+        marks.append(Breakpoint(len(turns) - 1, at, ttl, f"{where}.cache_control"))
+
+
+def _add_system(turns: list[Turn], marks: list[Breakpoint], content: Any) -> None:
+    turns.append(Turn("system"))
+    for j, block in enumerate(_blocks(content, "system")):
+        where = f"system.{j}"
+        turns[-1].content += block_text(block, where, system=True)
+        _mark(block, where, turns, marks)
+
+
+def _add_assistant(
+    turns: list[Turn], marks: list[Breakpoint], content: Any, path: str, calls: set[str]
+) -> None:
+    """One assistant turn: its text blocks, then its calls."""
+    turns.append(Turn("assistant"))
+    for j, block in enumerate(_blocks(content, path)):
         where = f"{path}.{j}"
-        turn.texts.append(block_text(block, where, system))
-        control = block.get("cache_control")
-        if control is not None:
-            ttl = cache_ttl(control, f"{where}.cache_control")
-            at = len(turn.content)
-            marks.append(Breakpoint(len(turns) - 1, at, ttl, f"{where}.cache_control"))
+        if _kind(block, where) == "tool_use":
+            call = tool_use(block, where)
+            turns[-1].calls.append(call)
+            calls.add(call.id)
+        else:
+            turns[-1].content += block_text(block, where, system=False)
+        _mark(block, where, turns, marks)
+
+
+def _add_user(
+    turns: list[Turn], marks: list[Breakpoint], content: Any, path: str, calls: set[str]
+) -> None:
+    """User turns of text, and a tool turn for each tool_result block."""
+    blocks = _blocks(content, path)
+    if not blocks:
+        turns.append(Turn("user"))
+    for j, block in enumerate(blocks):
+        where = f"{path}.{j}"
+        if _kind(block, where) == "tool_result":
+            turns.append(tool_result(block, where, calls))
+        else:
+            text = block_text(block, where, system=False)
+            if j == 0 or turns[-1].role != "user":
+                turns.append(Turn("user"))
+            turns[-1].content += text
+        _mark(block, where, turns, marks)
+
+
+def _kind(block: Any, path: str) -> Any:
+    if not isinstance(block, dict):
+        raise ApiError(400, f"{path}: must be a content block object", path)
+    return block.get("type")
+
+
+def tool_use(block: dict, path: str) -> Call:
+    """An assistant's ``tool_use`` block as its call (the input as JSON text)."""
+    call_id = block.get("id")
+    if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_ID_CHARS:
+        message = f"{path}.id: must be a string of 1 to {MAX_ID_CHARS} characters"
+        raise ApiError(400, message, f"{path}.id")
+    name = block.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        message = f"{path}.name: must be 1 to {MAX_TOOL_NAME} letters, digits, '_' or '-'"
+        raise ApiError(400, message, f"{path}.name")
+    arguments = block.get("input")
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{path}.input: must be an object", f"{path}.input")
+    return Call(call_id, name, json.dumps(arguments, ensure_ascii=False))
+
+
+def tool_result(block: dict, path: str, calls: set[str]) -> Turn:
+    """A user's ``tool_result`` block as a tool turn; 400 if it answers no earlier call."""
+    answers = block.get("tool_use_id")
+    if not isinstance(answers, str) or answers not in calls:
+        message = f"{path}.tool_use_id: answers no tool_use block of an earlier message"
+        raise ApiError(400, message, f"{path}.tool_use_id")
+    content = block.get("content")
+    if content is None:
+        text = ""
+    else:
+        where = f"{path}.content"
+        parts = _blocks(content, where)
+        text = "".join(
+            block_text(b, f"{where}.{k}" if isinstance(content, list) else where, False)
+            for k, b in enumerate(parts)
+        )
+    is_error = block.get("is_error")
+    if is_error not in (None, True, False):
+        raise ApiError(400, f"{path}.is_error: must be a boolean", f"{path}.is_error")
+    return Turn("tool", ERROR_PREFIX + text if is_error else text, call_id=answers)
 
 
 def block_text(block: Any, path: str, system: bool) -> str:
     """A text block's text; 400 naming the field for anything else."""
-    if not isinstance(block, dict):
-        raise ApiError(400, f"{path}: must be a content block object", path)
-    kind = block.get("type")
+    kind = _kind(block, path)
     if kind != "text":
-        only = "system takes only text blocks" if system else "only text blocks are supported"
+        if system:
+            only = "system takes only text blocks"
+        elif kind in ("tool_use", "tool_result"):
+            side = "assistant" if kind == "tool_use" else "user"
+            only = f"{kind} blocks belong in {side} messages' content"
+        else:
+            only = "only text, tool_use and tool_result blocks are supported"
         shown = repr(kind)[:40]
         later = " yet" if kind in NOT_YET else ""
-        message = f"{path}.type: {shown} blocks are not supported{later} ({only})"
+        here = "here" if kind in ("tool_use", "tool_result") else f"supported{later}"
+        message = f"{path}.type: {shown} blocks are not {here} ({only})"
         raise ApiError(400, message, f"{path}.type")
     text = block.get("text")
     if not isinstance(text, str):

@@ -3,21 +3,27 @@ server implements it.
 
 Content (a string or a list of blocks) and ``system`` are checked block by block when the
 request is prepared (``server/messages.py``), so an error names the exact block and field;
-the schemas here describe them for the OpenAPI document.
+the schemas here describe them for the OpenAPI document. Tools are Anthropic's shape
+(``name``, ``description``, ``input_schema``) checked by the OpenAI routes' rules.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS, MAX_ANTHROPIC_BREAKPOINTS
 from prefixcache.protocol.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS
 from prefixcache.protocol.sampling_limits import MAX_STOP_STRINGS, MIN_TEMPERATURE, MIN_TOP_P
 from prefixcache.protocol.schemas import NullMeansDefault
+from prefixcache.protocol.tool_schemas import (
+    MAX_TOOLS,
+    FunctionDef,
+    check_parameters,
+    check_tool_name,
+)
 
-UNSUPPORTED_FIELDS = ("tools", "tool_choice")  # 400 when set: tool use is another issue
 CACHE_CONTROL_SCHEMA = {
     "type": "object",
     "properties": {"type": {"const": "ephemeral"}, "ttl": {"enum": list(ANTHROPIC_TTLS)}},
@@ -32,8 +38,42 @@ TEXT_BLOCK = {
     },
     "required": ["type", "text"],
 }
+TOOL_USE_BLOCK = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "tool_use"},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "input": {"type": "object"},
+    },
+    "required": ["type", "id", "name", "input"],
+}
+TOOL_RESULT_BLOCK = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "tool_result"},
+        "tool_use_id": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
+        "is_error": {"type": "boolean"},
+    },
+    "required": ["type", "tool_use_id"],
+}
 BLOCKS = {"type": "array", "items": TEXT_BLOCK, "maxItems": MAX_CONTENT_PARTS}
-CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, BLOCKS]}
+ANY_BLOCKS = {
+    "type": "array",
+    "items": {"anyOf": [TEXT_BLOCK, TOOL_USE_BLOCK, TOOL_RESULT_BLOCK]},
+    "maxItems": MAX_CONTENT_PARTS,
+}
+CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, ANY_BLOCKS]}
+TOOL_CHOICE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]},
+        "name": {"type": "string"},
+        "disable_parallel_tool_use": {"type": "boolean"},
+    },
+    "required": ["type"],
+}
 SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, BLOCKS, {"type": "null"}]}
 
 
@@ -44,8 +84,34 @@ class AnthropicMessage(NullMeansDefault):
     content: Any = Field(json_schema_extra=CONTENT_SCHEMA)
 
 
+class AnthropicTool(BaseModel):
+    """A client tool: its name, what it does, its input's JSON schema (an object's)."""
+
+    type: Literal["custom"] | None = None
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = Field(None, json_schema_extra=CACHE_CONTROL_SCHEMA)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_tool_name(value)
+
+    @field_validator("input_schema", mode="before")
+    @classmethod
+    def _schema(cls, value: Any) -> dict:
+        return check_parameters(value)
+
+    def function(self) -> FunctionDef:
+        """The same function an OpenAI tool with these fields is (so it renders the same)."""
+        return FunctionDef(
+            name=self.name, description=self.description, parameters=self.input_schema
+        )
+
+
 class MessagesRequest(NullMeansDefault):
-    """``POST /v1/messages``: unknown fields are ignored, tool fields refused."""
+    """``POST /v1/messages``: unknown fields are ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -58,6 +124,8 @@ class MessagesRequest(NullMeansDefault):
     top_k: int = Field(0, ge=0)  # 0: no limit
     stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stream: bool = False
+    tools: list[AnthropicTool] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: dict[str, Any] | None = Field(None, json_schema_extra=TOOL_CHOICE_SCHEMA)
     metadata: dict[str, Any] | None = None  # accepted, ignored
     cache_control: dict[str, Any] | None = Field(
         None,
@@ -86,9 +154,5 @@ class MessagesRequest(NullMeansDefault):
         return None
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """The first field set to something this server does not do yet, and why."""
-        extra = self.model_extra or {}
-        name = next((name for name in UNSUPPORTED_FIELDS if extra.get(name)), None)
-        if name is None:
-            return None
-        return name, f"{name}: tool use is not supported yet on /v1/messages"
+        """Nothing this route refuses outright (blocks are checked one by one)."""
+        return None

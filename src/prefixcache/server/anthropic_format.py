@@ -4,6 +4,10 @@ Usage splits the prompt three ways (they sum to its length): ``cache_read_input_
 came from the cache (pool and tier); ``cache_creation_input_tokens`` are the tokens past
 those, up to the last breakpoint (to the last full block), that this request computed and
 retained, split by the ttl of the breakpoint covering them; ``input_tokens`` are the rest.
+
+With tools, calls are parsed out of the text (``server/tool_parse.py``) into ``tool_use``
+blocks after any text block, and streamed as their own blocks (``input_json_delta``
+fragments of the input); the ``<tool_call>`` tags themselves are never sent.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from prefixcache.engine.request import FinishReason, RequestOutput
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS
 from prefixcache.server.fan_in import FanIn
+from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
+
+CALL_ID_PREFIX = "toolu"
 
 
 @dataclass(slots=True)
@@ -31,6 +38,7 @@ class MessageShape:
     block_size: int
     chat: bool = True  # a conversation: engine refusals name "messages"
     endpoint: str = "messages"  # the metrics label
+    tool_names: frozenset[str] | None = None  # with tools: calls are parsed out
 
 
 def usage(shape: MessageShape, output: RequestOutput) -> dict:
@@ -70,12 +78,32 @@ def stop(shape: MessageShape, output: RequestOutput) -> tuple[str | None, str | 
     return ("stop_sequence", found) if found else ("end_turn", None)
 
 
+def content_blocks(shape: MessageShape, text: str) -> list[dict]:
+    """The text block (unless only spaces beside calls), then a tool_use block per call."""
+    if shape.tool_names is None:
+        return [{"type": "text", "text": text}]
+    found = scan(text, shape.tool_names, final=True)
+    content = content_of(found)
+    blocks = [] if content is None else [{"type": "text", "text": content}]
+    return blocks + [
+        {
+            "type": "tool_use",
+            "id": new_call_id(CALL_ID_PREFIX),
+            "name": call.name,
+            "input": json.loads(call.arguments),
+        }
+        for call in found.complete_calls
+    ]
+
+
 def message(shape: MessageShape, output: RequestOutput, opening: bool = False) -> dict:
     """The message object: whole, or as it opens a stream (no content, no stop, usage of
     the prompt only)."""
     reason, sequence = (None, None) if opening else stop(shape, output)
     counts = usage(shape, output)
-    content = [] if opening else [{"type": "text", "text": output.outputs[0].text}]
+    content = [] if opening else content_blocks(shape, output.outputs[0].text)
+    if any(block["type"] == "tool_use" for block in content):
+        reason, sequence = "tool_use", None
     if opening:
         counts["output_tokens"] = 0
     return {
@@ -104,30 +132,79 @@ def error_event(message_text: str) -> str:
     return event("error", {"error": {"type": "api_error", "message": message_text}})
 
 
+@dataclass(slots=True)
+class _Blocks:
+    """The content blocks a stream has opened: the last one's index, and whether it is open."""
+
+    index: int = -1
+    kind: str | None = None  # the open block's type
+    tools: ToolStream | None = None
+    sent: int = 0  # characters of text sent (no tools)
+
+    def start(self, block: dict) -> list[str]:
+        events = self.stop()
+        self.index, self.kind = self.index + 1, block["type"]
+        return events + [
+            event("content_block_start", {"index": self.index, "content_block": block})
+        ]
+
+    def stop(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def delta(self, delta: dict) -> str:
+        return event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def update(self, text: str, final: bool) -> list[str]:
+        """The events for the text so far: text deltas, or with tools each block's."""
+        if self.tools is None:
+            delta, self.sent = text[self.sent :], max(self.sent, len(text))
+            return [self.delta({"type": "text_delta", "text": delta})] if delta else []
+        events: list[str] = []
+        for found in self.tools.update(text, final):
+            if found[0] == "text":
+                events += [] if self.kind == "text" else self.start({"type": "text", "text": ""})
+                events.append(self.delta({"type": "text_delta", "text": found[1]}))
+            elif found[0] == "call":
+                block = {"type": "tool_use", "id": found[2], "name": found[3], "input": {}}
+                events += self.start(block)
+            else:
+                events.append(self.delta({"type": "input_json_delta", "partial_json": found[2]}))
+        return events
+
+
 async def events(
     shape: MessageShape, fan_in: FanIn, done: Callable[[list[RequestOutput], str], None]
 ) -> AsyncIterator[str]:
     """message_start (once the prompt is in: its usage is known), the text block's start,
-    a ping, its deltas and stop, message_delta (stop reason, usage), message_stop."""
+    a ping, its deltas and stop (with tools: a block per text or call, opened as it comes),
+    message_delta (stop reason, usage), message_stop."""
     status = "disconnected"
     try:
         output = await _first_token(fan_in)
         yield event("message_start", {"message": message(shape, output, opening=True)})
-        block = {"type": "text", "text": ""}
-        yield event("content_block_start", {"index": 0, "content_block": block})
+        blocks = _Blocks()
+        if shape.tool_names is None:
+            for line in blocks.start({"type": "text", "text": ""}):
+                yield line
+        else:
+            blocks.tools = ToolStream(shape.tool_names, id_prefix=CALL_ID_PREFIX)
         yield event("ping", {})
-        sent = 0
         while True:
-            text = output.outputs[0].text
-            if len(text) > sent:
-                delta = {"type": "text_delta", "text": text[sent:]}
-                yield event("content_block_delta", {"index": 0, "delta": delta})
-                sent = len(text)
+            for line in blocks.update(output.outputs[0].text, fan_in.finished):
+                yield line
             if fan_in.finished:
                 break
             _, output = await fan_in.next()
-        yield event("content_block_stop", {"index": 0})
+        for line in blocks.start({"type": "text", "text": ""}) if blocks.index < 0 else []:
+            yield line
+        for line in blocks.stop():
+            yield line
         reason, sequence = stop(shape, output)
+        if blocks.tools is not None and blocks.tools.ids:
+            reason, sequence = "tool_use", None
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         yield event("message_delta", {"delta": delta, "usage": usage(shape, output)})
         status = "ok"

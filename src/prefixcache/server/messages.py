@@ -1,7 +1,8 @@
 """A Messages API body turned into engine work: turns, chat template, tokens, retention.
 
-The conversation renders through the model's chat template exactly as a chat completion
-does (system first), so both APIs share cached blocks. A breakpoint becomes a ``Keep`` of
+The conversation (tools, calls and results included) renders through
+``server/tool_prompt.py`` exactly as a chat completion does, so both APIs share cached
+blocks; tools constrain the output by the same rules. A breakpoint becomes a ``Keep`` of
 the prompt's tokens through the end of its block: the tokens that end at or before the
 character where that block's text ends in the rendered prompt.
 """
@@ -9,22 +10,30 @@ character where that block's text ends in the rendered prompt.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.protocol.anthropic_blocks import Breakpoint, Turn, conversation
+from prefixcache.protocol.anthropic_blocks import TOOLS, Breakpoint, conversation
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
+from prefixcache.protocol.anthropic_tools import openai_tool_choice
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS
+from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.tool_schemas import FunctionDef
+from prefixcache.protocol.turns import Turn
+from prefixcache.server import tool_prompt
 from prefixcache.server.anthropic_format import MessageShape
 from prefixcache.server.prepare import (
     PrepareContext,
     Prepared,
     check_room,
     check_tokens,
+    compiled,
     parse_body,
     too_many_chars,
+    tool_rules,
 )
 
 MARK = "\ue000"  # a private-use character: where a breakpoint falls in the rendered text
@@ -33,11 +42,14 @@ MARK = "\ue000"  # a private-use character: where a breakpoint falls in the rend
 def prepare_messages(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A Messages body: checked, templated, tokenized, its breakpoints as retention asks."""
     body: MessagesRequest = parse_body(raw, MessagesRequest, ctx)  # type: ignore[assignment]
+    tools = [t.function() for t in body.tools]
+    choice, parallel = openai_tool_choice(body.tool_choice, {t.name for t in tools})
+    rules = tool_rules(tools, choice, parallel, "tool_choice")
     turns, marks = conversation(body)
-    chars = sum(len(t.content) for t in turns)
+    chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
     if chars > ctx.max_prompt_chars:
         raise ApiError(400, too_many_chars("messages", chars, ctx), "messages")
-    text, ends = render(ctx.tokenizer, turns, marks)
+    text, ends = render(ctx.tokenizer, turns, tools, marks)
     encoding = ctx.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0]
     prompt = list(encoding.ids)
     check_tokens([prompt], ctx, "messages")
@@ -49,39 +61,47 @@ def prepare_messages(raw: bytes, ctx: PrepareContext) -> Prepared:
     )
     shape = MessageShape(
         f"msg_{uuid.uuid4().hex}", body.model, ctx.tokenizer, body.stop_sequences, keeps,
-        ctx.block_size,
+        ctx.block_size, tool_names=rules.names,
     )  # fmt: skip
-    return Prepared(body, [prompt], _sampling(body), shape, keeps)  # type: ignore[arg-type]
+    sampling = _sampling(body, compiled(rules.constraint, ctx, "tools"))
+    return Prepared(body, [prompt], sampling, shape, keeps)  # type: ignore[arg-type]
 
 
-def render(tokenizer: Tokenizer, turns: list[Turn], marks: list[Breakpoint]) -> tuple[str, list]:
+def render(
+    tokenizer: Tokenizer, turns: list[Turn], tools: list[FunctionDef], marks: list[Breakpoint]
+) -> tuple[str, list]:
     """The prompt text, and where each breakpoint falls in it (characters)."""
-    messages = [{"role": t.role, "content": t.content} for t in turns]
-    text = _template(tokenizer, messages)
+    text = _template(tokenizer, turns, tools)
     if not marks:
         return text, []
-    marked = [dict(m) for m in messages]
-    for i, turn in enumerate(turns):
-        cuts = sorted({m.chars for m in marks if m.turn == i})
-        marked[i]["content"] = _insert_marks(turn.content, cuts)
-    with_marks = _template(tokenizer, marked)
-    if with_marks.replace(MARK, "") != text:  # the template rewrote the content
-        return text, _searched_ends(text, turns, marks)
+    marked = [
+        replace(turn, content=_insert_marks(turn.content, _cuts(marks, i)))
+        for i, turn in enumerate(turns)
+    ]
+    suffix = MARK if any(m.turn == TOOLS for m in marks) else ""
+    with_marks = _template(tokenizer, marked, tools, suffix)
+    unique = sorted({(m.turn, m.chars) for m in marks})
+    if with_marks.replace(MARK, "") != text or with_marks.count(MARK) != len(unique):
+        return text, _searched_ends(text, turns, marks)  # the template rewrote the content
     found, positions = 0, []
     for at, char in enumerate(with_marks):
         if char == MARK:
             positions.append(at - found)
             found += 1
-    cut_index = [(m.turn, m.chars) for m in marks]
-    unique = sorted(set(cut_index))
-    return text, [positions[unique.index(key)] for key in cut_index]
+    return text, [positions[unique.index((m.turn, m.chars))] for m in marks]
 
 
-def _template(tokenizer: Tokenizer, messages: list[dict]) -> str:
+def _template(
+    tokenizer: Tokenizer, turns: list[Turn], tools: list[FunctionDef], suffix: str = ""
+) -> str:
     try:
-        return tokenizer.apply_chat_template(messages)
+        return tool_prompt.render(tokenizer, turns, tools, suffix)
     except ValueError as error:
         raise ApiError(400, f"messages: {error}", "messages") from None
+
+
+def _cuts(marks: list[Breakpoint], turn: int) -> list[int]:
+    return sorted({m.chars for m in marks if m.turn == turn})
 
 
 def _insert_marks(content: str, cuts: list[int]) -> str:
@@ -110,7 +130,7 @@ def _searched_ends(text: str, turns: list[Turn], marks: list[Breakpoint]) -> lis
         cursor = where[0] + where[2] if where else cursor
     ends = []
     for mark in marks:
-        where = found[mark.turn]
+        where = found[mark.turn] if mark.turn != TOOLS else None
         inside = None if where is None else min(max(mark.chars - where[1], 0), where[2])
         ends.append(0 if where is None else where[0] + inside)
     return ends
@@ -126,7 +146,7 @@ def tokens_before(token_ends: list[int], chars: int) -> int:
     return count
 
 
-def _sampling(body: MessagesRequest) -> SamplingParams:
+def _sampling(body: MessagesRequest, constraint: Constraint | None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=body.max_tokens,
@@ -134,6 +154,7 @@ def _sampling(body: MessagesRequest) -> SamplingParams:
             top_p=body.top_p,
             top_k=body.top_k,
             stop=body.stop_sequences,
+            constraint=constraint,
         )
     except ValueError as error:
         raise ApiError(400, str(error), str(error).split(" ", 1)[0]) from None

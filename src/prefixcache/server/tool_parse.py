@@ -142,6 +142,7 @@ class ToolStream:
     sent_content: int = 0
     ids: list[str] = field(default_factory=list)
     sent_arguments: list[int] = field(default_factory=list)
+    id_prefix: str = "call"  # Anthropic's are "toolu"
 
     def update(self, text: str, final: bool) -> list[tuple]:
         """New events: ("text", delta), ("call", index, id, name), ("arguments", index, delta).
@@ -158,7 +159,7 @@ class ToolStream:
                 self.sent_content = len(found.content)
         for index, call in enumerate(found.calls):
             if index == len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(new_call_id(self.id_prefix))
                 self.sent_arguments.append(0)
                 events.append(("call", index, self.ids[index], call.name))
             delta = call.arguments[self.sent_arguments[index] :]

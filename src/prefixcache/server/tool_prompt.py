@@ -12,33 +12,14 @@ rendered from the request alone, so turn N+1's prompt starts with turn N's.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.constraints import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from prefixcache.protocol.tool_schemas import FunctionDef
+from prefixcache.protocol.turns import Call, Turn
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 SYSTEM_ROLES = ("system", "developer")
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One function call: its id, the function and its arguments (a JSON object's text)."""
-
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(slots=True)
-class Turn:
-    """One message of a conversation, whichever API it came in by."""
-
-    role: str  # system, developer, user, assistant, tool
-    content: str = ""
-    calls: list[Call] = field(default_factory=list)  # assistant
-    call_id: str | None = None  # tool: the call it answers
 
 
 def call_text(call: Call) -> str:
@@ -61,14 +42,17 @@ def tools_block(tools: list[FunctionDef]) -> str:
     )
 
 
-def render(tokenizer: Tokenizer, turns: list[Turn], tools: list[FunctionDef]) -> str:
-    """The prompt text of ``turns`` with ``tools`` (a tool section if the template has one)."""
+def render(
+    tokenizer: Tokenizer, turns: list[Turn], tools: list[FunctionDef], tools_suffix: str = ""
+) -> str:
+    """The prompt text of ``turns`` with ``tools`` (a tool section if the template has one;
+    ``tools_suffix`` follows the generic tools block: where a breakpoint on the tools is)."""
     if tools and tokenizer.has_tool_section:
         listed = [{"type": "function", "function": t.shown()} for t in tools]
         return tokenizer.apply_chat_template([_native(t) for t in turns], tools=listed)
     messages = [_generic(t) for t in turns]
     if tools:
-        block = tools_block(tools)
+        block = tools_block(tools) + tools_suffix
         if messages[0]["role"] in SYSTEM_ROLES:
             messages[0] = {**messages[0], "content": f"{block}\n\n{messages[0]['content']}"}
         else:
