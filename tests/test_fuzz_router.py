@@ -43,6 +43,6 @@ def test_every_router_operation_survives_the_fuzzer(tmp_path):
     assert {label.rsplit(" ", 1)[0] for label in ran} == OPERATIONS
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"):
         assert f"POST {path} negative" in ran
-    assert seconds < 90  # bounded: about 12 s of fuzzing here
+    assert seconds < 180  # bounded: 13 operations, about 100 s on a busy 2-core machine
     assert_pool_clean(engine)
     assert engine.manager.stats.queries > 0  # valid cases reached the replica's engine
