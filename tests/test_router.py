@@ -144,21 +144,21 @@ def test_a_shared_document_lands_on_one_replica_and_hits_its_cache(cluster: Clus
 def test_the_router_tokenizes_as_the_replica_does(cluster: Cluster) -> None:
     tok = cluster.tokenizer
     body = chat("emu", "Which?", cache_salt="mine", stream=True)
-    view = routing_view(json.dumps(body).encode(), True, tok)
-    assert view == (True, "mine", tok.encode_chat(body["messages"]), None)  # no cache key
+    view = routing_view(json.dumps(body).encode(), "chat", tok)
+    assert view == (True, "mine", tok.encode_chat(body["messages"]), None, None)  # no key
     parts = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
-    assert routing_view(json.dumps(parts).encode(), True, tok).token_ids == tok.encode_chat(
+    assert routing_view(json.dumps(parts).encode(), "chat", tok).token_ids == tok.encode_chat(
         [{"role": "user", "content": "a"}]
     )
-    text = routing_view(b'{"prompt": "Once upon"}', False, tok).token_ids
+    text = routing_view(b'{"prompt": "Once upon"}', "completions", tok).token_ids
     assert text == tok.encode("Once upon", add_special_tokens=True)
-    assert routing_view(b'{"prompt": ["Once upon", "x"]}', False, tok).token_ids == text
-    assert routing_view(b'{"prompt": [5, 6, 7]}', False, tok).token_ids == [5, 6, 7]
-    assert routing_view(b'{"prompt": 5}', False, tok).token_ids is None  # the replica says why
+    assert routing_view(b'{"prompt": ["Once upon", "x"]}', "completions", tok).token_ids == text
+    assert routing_view(b'{"prompt": [5, 6, 7]}', "completions", tok).token_ids == [5, 6, 7]
+    assert routing_view(b'{"prompt": 5}', "completions", tok).token_ids is None  # replica says why
     with pytest.raises(ApiError, match="must be a JSON object"):  # the replica's 400
-        routing_view(b"[1]", True, tok)
+        routing_view(b"[1]", "chat", tok)
     with pytest.raises(ApiError, match="not valid JSON"):
-        routing_view(b"{", True, tok)
+        routing_view(b"{", "chat", tok)
 
 
 def test_errors_models_health_and_metrics(cluster: Cluster) -> None:

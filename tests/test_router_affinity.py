@@ -119,5 +119,5 @@ def test_the_flag_sizes_the_lru_and_zero_turns_affinity_off(capsys) -> None:
 )
 def test_the_key_is_read_from_the_body(body: dict, key: str | None) -> None:
     raw = json.dumps({"model": "m", "prompt": "hi", **body}).encode()
-    assert routing_view(raw, chat=False, tokenizer=None).cache_key == key
-    assert routing_view(raw, chat=True, tokenizer=None).cache_key == key
+    assert routing_view(raw, "completions", tokenizer=None).cache_key == key
+    assert routing_view(raw, "chat", tokenizer=None).cache_key == key

@@ -136,6 +136,7 @@ class Health(BaseModel):
     namespace_digest: str
     tier: str | None
     kv_events: dict[str, Any] | None
+    instance: str | None = None  # the replica's instance id, the prefix of its response ids
 
 
 class ResetReport(BaseModel):

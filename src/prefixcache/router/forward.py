@@ -3,11 +3,11 @@
 A request is sent again, once, to another replica when nothing of it has reached the
 client yet: the connection was refused or dropped, the replica died before answering, or
 it answered 429. Once a stream has started, a failure ends it with an SSE error event
-and ``[DONE]``. Every response carries ``x-prefixcache-replica``. Upstream events are
-forwarded whole (cut at a blank line), so a replica dying mid-event never leaves half an
-event before the error. A request goes to the path of the route it matched, never to a
-path the client spelled (no dot segments reach a replica). Replica URLs go to the log and
-to that header, never into an error a client reads.
+(and ``[DONE]`` on OpenAI's routes). Every response carries ``x-prefixcache-replica``.
+Upstream events are forwarded whole (cut at a blank line), so a replica dying mid-event
+never leaves half an event before the error. A request goes to the path of the route it
+matched, never to a path the client spelled (no dot segments reach a replica). Replica
+URLs go to the log and to that header, never into an error a client reads.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.errors import ANTHROPIC_PATHS, ApiError, error_body
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.replicas import Fleet, describe
 from prefixcache.router.routing import Router, Ticket
@@ -105,10 +105,13 @@ def response_headers(upstream: httpx.Response, url: str, decoded: bool) -> dict[
     return headers
 
 
-def error_event(message: str) -> bytes:
-    """An OpenAI-style error as one SSE event."""
-    error = {"message": message, "type": "server_error", "param": None, "code": None}
-    return f"data: {json.dumps({'error': error})}\n\n".encode()
+def error_event(message: str, path: str | None = None) -> bytes:
+    """An error as one SSE event, in the route's shape: OpenAI's ``data:`` chunk then
+    ``[DONE]``, or Anthropic's ``event: error`` (its streams have no ``[DONE]``)."""
+    body = json.dumps(error_body(500, message, path=path))
+    if path in ANTHROPIC_PATHS:
+        return f"event: error\ndata: {body}\n\n".encode()
+    return f"data: {body}\n\n".encode() + DONE
 
 
 class Forwarder:
@@ -129,13 +132,15 @@ class Forwarder:
         stream: bool,
         route: RouteLog,
         key: bytes | None = None,
+        pinned: str | None = None,
     ) -> Response:
-        """The replica's answer; 503 (an OpenAI error) when no replica could take it.
-        ``key``: the request's affinity key (an opaque digest), if it has one."""
+        """The replica's answer; 503 (in the route's error shape) when no replica could take
+        it. ``key``: the request's affinity key (an opaque digest), if it has one; ``pinned``:
+        the replica it must go to while that one is healthy (``Router.dispatch``)."""
         tried: list[str] = []
         reason: str | None = None  # None: no replica to try (then the fleet says why)
         for attempt in range(MAX_ATTEMPTS):
-            ticket = self.router.dispatch(digests, exclude=tried, key=key)
+            ticket = self.router.dispatch(digests, exclude=tried, key=key, pinned=pinned)
             if ticket is None:
                 break
             tried.append(ticket.url)
@@ -179,7 +184,7 @@ class Forwarder:
             self.router.release(ticket, ok=False)
             return Retry("HTTP 429")
         if sent.stream and upstream.status_code == 200:
-            relay = self._relay(ticket, upstream, route)
+            relay = self._relay(ticket, upstream, route, sent.path)
             headers = response_headers(upstream, ticket.url, decoded=False)
             return StreamingResponse(relay, status_code=200, headers=headers)
         return await self._whole(ticket, upstream, request, route)
@@ -214,7 +219,7 @@ class Forwarder:
         return read.result()
 
     async def _relay(
-        self, ticket: Ticket, upstream: httpx.Response, route: RouteLog
+        self, ticket: Ticket, upstream: httpx.Response, route: RouteLog, path: str
     ) -> AsyncIterator[bytes]:
         """The replica's SSE bytes as they come, whole events at a time; a failure ends cleanly."""
         status, pending = "disconnected", b""
@@ -232,8 +237,7 @@ class Forwarder:
             status = "failed_mid_stream"
             self._schedule_check(ticket)
             log.warning("replica %s failed mid-stream: %s", ticket.url, describe(error))
-            yield error_event(f"the replica failed mid-stream ({type(error).__name__})")
-            yield DONE
+            yield error_event(f"the replica failed mid-stream ({type(error).__name__})", path)
         finally:
             self.router.release(ticket, ok=status == "200")
             self._record(ticket, route, status)

@@ -1,5 +1,6 @@
 """What routing needs from a request body: stream or not, the client salt, the prompt's
-``prompt_cache_key`` (key affinity), the prompt's token ids.
+``prompt_cache_key`` (key affinity), the instance part of a ``previous_response_id``, the
+prompt's token ids.
 
 The replica is the authority on what it accepts: the router refuses only a body the
 replica's strict JSON parser refuses (``protocol/json_body.load_json``: the same 400s,
@@ -8,7 +9,14 @@ replica's own error. It runs on a worker thread, never on the router's event loo
 can, it tokenizes the prompt exactly as the replica will (``server/prepare.py``):
 ``encode_chat`` of the messages' text for chat, ``encode(prompt, add_special_tokens=True)``
 or the ids as sent for text completions (the first prompt of a batch: the whole request
-goes to one replica).
+goes to one replica); for the Messages API, ``protocol/anthropic_blocks.conversation``'s
+system and turns through ``encode_chat``, as ``server/messages.py`` renders them; for the
+Responses API, ``instructions`` and ``input``'s message text the same way.
+
+Tool definitions are not rendered (their rendering lives in the server): a request with
+tools is scored on its messages alone, which matches no block the replica stored, so it
+follows its ``prompt_cache_key``, or the router's expectation of the blocks it just sent.
+A ``previous_response_id`` request is not scored (its prompt is on the replica it names).
 """
 
 from __future__ import annotations
@@ -18,8 +26,15 @@ from typing import NamedTuple
 from pydantic import ValidationError
 
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol.anthropic_blocks import conversation
+from prefixcache.protocol.anthropic_schemas import MessagesRequest
+from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.json_body import load_json
+from prefixcache.protocol.response_ids import instance_of
 from prefixcache.protocol.schemas import ChatMessage
+
+CHAT, COMPLETIONS, MESSAGES, RESPONSES = "chat", "completions", "messages", "responses"
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class RoutingView(NamedTuple):
@@ -29,21 +44,24 @@ class RoutingView(NamedTuple):
     cache_salt: str | None
     token_ids: list[int] | None
     cache_key: str | None = None  # ``prompt_cache_key``: never logged (routes digest it)
+    instance: str | None = None  # the replica that issued its ``previous_response_id``
 
 
-def routing_view(raw: bytes, chat: bool, tokenizer: Tokenizer | None) -> RoutingView:
+def routing_view(raw: bytes, endpoint: str, tokenizer: Tokenizer | None) -> RoutingView:
     """Stream flag, client salt and (given a tokenizer) the prompt's ids, as a replica reads;
-    ApiError(400) where the replica's parser would refuse the body."""
+    ApiError(400) where the replica's parser would refuse the body. ``endpoint``: ``CHAT``,
+    ``COMPLETIONS``, ``MESSAGES`` or ``RESPONSES``."""
     data = load_json(raw)
     salt = data.get("cache_salt")
     stream = data.get("stream") is True
     salt = salt if isinstance(salt, str) else None
     key = data.get("prompt_cache_key")
     key = key if isinstance(key, str) and key else None
-    if tokenizer is None:
-        return RoutingView(stream, salt, None, key)
-    ids = chat_ids(data, tokenizer) if chat else completion_ids(data, tokenizer)
-    return RoutingView(stream, salt, ids, key)
+    previous = data.get("previous_response_id") if endpoint == RESPONSES else None
+    instance = instance_of(previous)
+    if tokenizer is None or previous is not None:
+        return RoutingView(stream, salt, None, key, instance)
+    return RoutingView(stream, salt, VIEWS[endpoint](data, tokenizer), key, instance)
 
 
 def chat_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
@@ -55,6 +73,51 @@ def chat_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
         return tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in messages])
     except (ValidationError, ValueError, TypeError):
         return None
+
+
+def messages_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
+    """A Messages body's system and turns through the chat template, as the replica
+    renders them; None if the replica would refuse the body."""
+    try:
+        turns, _ = conversation(MessagesRequest.model_validate(data))
+        return tokenizer.encode_chat([{"role": t.role, "content": t.content} for t in turns])
+    except (ValidationError, ApiError, ValueError, TypeError):
+        return None
+
+
+def responses_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
+    """``instructions`` and ``input``'s messages through the chat template; None for input
+    with other items (calls, their outputs) or anything the replica would refuse."""
+    value, instructions = data.get("input"), data.get("instructions")
+    items = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not isinstance(instructions, str | None):
+        return None
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        text = _message_text(item)
+        if text is None:
+            return None
+        messages.append({"role": item["role"], "content": text})
+    try:
+        return tokenizer.encode_chat(messages)
+    except (ValueError, TypeError):
+        return None
+
+
+def _message_text(item: object) -> str | None:
+    """A Responses ``message`` item's text (a string or text parts); None otherwise."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        return None
+    if item.get("role") not in ("user", "assistant", "system", "developer"):
+        return None
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS]
+    ok = len(texts) == len(content) and all(isinstance(t, str) for t in texts)
+    return "".join(texts) if ok else None
 
 
 def completion_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
@@ -71,3 +134,11 @@ def completion_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
 
 def _is_ids(value: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+VIEWS = {
+    CHAT: chat_ids,
+    COMPLETIONS: completion_ids,
+    MESSAGES: messages_ids,
+    RESPONSES: responses_ids,
+}

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from prefixcache.protocol.response_ids import is_instance
 from prefixcache.router.feed import EventEndpoints, EventFeed
 from prefixcache.router.index import GlobalIndex
 
@@ -49,6 +50,7 @@ class ReplicaIdentity(NamedTuple):
     tier: str | None
     events: EventEndpoints | None
     events_up: bool = True  # False: its publisher is down, so its events are not to be trusted
+    instance: str | None = None  # its response ids' prefix (``protocol/response_ids.py``)
 
     @property
     def namespace(self) -> ClusterNamespace:
@@ -75,6 +77,7 @@ def parse_health(body: object, base_url: str) -> ReplicaIdentity:
             body.get("tier"),
             endpoints,
             events_up(events),
+            body["instance"] if is_instance(body.get("instance")) else None,
         )
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"not a prefixcache replica's /health ({error!r})") from None
@@ -150,6 +153,13 @@ class Fleet:
     def healthy(self) -> list[Replica]:
         """The replicas in the rotation, in configured order."""
         return [r for r in self.replicas.values() if r.healthy]
+
+    def by_instance(self, instance: str | None) -> Replica | None:
+        """The healthy replica whose ``/health`` gave this instance id, if any."""
+        if instance is None:
+            return None
+        found = (r for r in self.healthy() if r.identity and r.identity.instance == instance)
+        return next(found, None)
 
     def unavailable_reason(self) -> str:
         """Why no replica can take a request, for a client's 503 (counts, never URLs)."""

@@ -1,9 +1,9 @@
 """The router's routes: a replica's endpoints, each forwarded to the replica chosen for it.
 
 The guard (``protocol/guard.py``) has checked the key and read the body before a handler
-runs. A completion's body is parsed and tokenized on a worker thread (at most
-``PREPARE_THREADS`` at once), and its digests hashed there too, so a large prompt never
-stalls the event loop (``/health`` answers meanwhile).
+runs. A completion's, message's or response's body is parsed and tokenized on a worker
+thread (at most ``PREPARE_THREADS`` at once), and its digests hashed there too, so a
+large prompt never stalls the event loop (``/health`` answers meanwhile).
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from prefixcache.protocol import openapi
+from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenant
 from prefixcache.protocol.front import get_and_head
 from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.openapi import json_body, responses
+from prefixcache.protocol.responses_schemas import ResponsesRequest
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.router import prompts
 from prefixcache.router.affinity import key_digest
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.forward import RouteLog
@@ -34,11 +37,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+PATHS = {
+    prompts.CHAT: CHAT,
+    prompts.COMPLETIONS: COMPLETIONS,
+    prompts.MESSAGES: MESSAGES,
+    prompts.RESPONSES: RESPONSES,
+}  # the routing view's endpoint name -> the replica's path
 SCHEMA_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/replicas", *SCHEMA_PATHS}),
-    metered=frozenset({CHAT, COMPLETIONS}),
+    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES}),
 )
 
 
@@ -55,7 +65,7 @@ class RouterHealth(BaseModel):
 
 
 def add_routes(app: FastAPI, state: RouterState) -> None:
-    """``/health``, ``/metrics``, the models and the two completion endpoints."""
+    """``/health``, ``/metrics``, the models, the completion, messages and responses endpoints."""
     health_statuses = responses(RouterHealth)
     health_statuses[503] = {"model": RouterHealth, "description": "No replica is healthy"}
 
@@ -95,7 +105,7 @@ def _add_completions(app: FastAPI, state: RouterState) -> None:
         responses=responses(openapi.ChatCompletion, *statuses, stream=True),
     )
     async def chat(request: Request) -> Response:
-        return await _complete(state, request, chat=True)
+        return await _complete(state, request, prompts.CHAT)
 
     @app.post(
         COMPLETIONS,
@@ -103,7 +113,25 @@ def _add_completions(app: FastAPI, state: RouterState) -> None:
         responses=responses(openapi.Completion, *statuses, stream=True),
     )
     async def completions(request: Request) -> Response:
-        return await _complete(state, request, chat=False)
+        return await _complete(state, request, prompts.COMPLETIONS)
+
+    @app.post(
+        MESSAGES,
+        openapi_extra=json_body(MessagesRequest),
+        responses=responses(openapi.Message, *statuses, stream=True, anthropic=True),
+    )
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API, to the replica holding most of the conversation."""
+        return await _complete(state, request, prompts.MESSAGES)
+
+    @app.post(
+        RESPONSES,
+        openapi_extra=json_body(ResponsesRequest),
+        responses=responses(None, *statuses, stream=True),
+    )
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API; a ``previous_response_id`` goes to the replica storing it."""
+        return await _complete(state, request, prompts.RESPONSES)
 
 
 def path_segment(text: str) -> str:
@@ -123,21 +151,24 @@ async def _off_loop(state: RouterState, function: Callable[..., T], *args: objec
     return await anyio.to_thread.run_sync(function, *args, limiter=state.views)
 
 
-async def _complete(state: RouterState, request: Request, chat: bool) -> Response:
+async def _complete(state: RouterState, request: Request, endpoint: str) -> Response:
     """Parse and tokenize off the loop, hash the prompt, forward to the chosen replica."""
     tenant = tenant_of(request.scope)
     raw = await request.body()
     tokenizer = state.config.tokenizer if state.config.policy.uses_digests else None
-    view = await _off_loop(state, routing_view, raw, chat, tokenizer)
+    view = await _off_loop(state, routing_view, raw, endpoint, tokenizer)
     namespace = state.namespace()
     digests = []
     if view.token_ids:
         digests = await _off_loop(state, _digests, state, namespace, tenant, view)
     tokens = None if view.token_ids is None else len(view.token_ids)
-    route = RouteLog("chat" if chat else "completions", tokens, len(digests))
-    path = CHAT if chat else COMPLETIONS
+    route = RouteLog(endpoint, tokens, len(digests))
     key = None if view.cache_key is None else key_digest(tenant.name, view.cache_key)
-    return await state.forwarder.forward(request, path, raw, digests, view.stream, route, key)
+    pinned = state.fleet.by_instance(view.instance)  # down or unknown: any replica (it 404s)
+    return await state.forwarder.forward(
+        request, PATHS[endpoint], raw, digests, view.stream, route, key,
+        pinned.url if pinned else None,
+    )  # fmt: skip
 
 
 def _digests(

@@ -4,7 +4,8 @@
 decision sees at once) and, for ``cache-aware``, credits the replica with the prompt's
 blocks until its events confirm them; ``release`` undoes both when the request ends. A
 request with a key (a digest of its tenant and ``prompt_cache_key``) goes through the key
-affinity (``router/affinity.py``) first.
+affinity (``router/affinity.py``) first. A request ``pinned`` to a replica (one naming a
+``previous_response_id`` that replica issued) goes there while it is a candidate.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import Candidate, Choice, RoutingPolicy
 from prefixcache.router.replicas import Fleet, Replica
 
+PINNED_REASON = "previous_response"  # the replica that stored the conversation
 DEFAULT_EXPECT_GRACE_S = 2.0  # how long a finished request's blocks stay credited without events
 
 
@@ -65,13 +67,22 @@ class Router:
         ]
 
     def dispatch(
-        self, digests: Sequence[bytes], exclude: Collection[str] = (), key: bytes | None = None
+        self,
+        digests: Sequence[bytes],
+        exclude: Collection[str] = (),
+        key: bytes | None = None,
+        pinned: str | None = None,
     ) -> Ticket | None:
-        """Choose a replica and count the request on it; None if no replica is left."""
+        """Choose a replica and count the request on it; None if no replica is left.
+        ``pinned``: a replica URL the request must go to while it is a candidate."""
         candidates = self.candidates(digests, exclude)
         if not candidates:
             return None
-        choice = self._choose(digests, candidates, key)
+        pin = next((c for c in candidates if c.url == pinned), None) if pinned else None
+        if pin is not None:
+            choice = Choice(pin.url, PINNED_REASON, pin.overlap)
+        else:
+            choice = self._choose(digests, candidates, key)
         replica = self.fleet.replicas[choice.url]
         replica.in_flight += 1
         expectation = self.index.expect(choice.url, digests) if self.policy.uses_overlap else None

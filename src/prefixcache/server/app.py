@@ -168,7 +168,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         """Liveness, and what a router needs to compute this replica's digests."""
         publisher = app.state.kv_events  # events up or down: the replica serves either way
         live = {} if publisher is None else {"kv_events": publisher.health()}
-        return {"status": "ok", "model": server.model_name, **server.identity, **live}
+        instance = server.responses.instance  # the prefix of its response ids (a router's map)
+        identity = {**server.identity, "instance": instance}
+        return {"status": "ok", "model": server.model_name, **identity, **live}
 
     @get_and_head(app, "/metrics", responses=openapi.plain_text(responses(None, 401, 403)))
     async def metrics() -> Response:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prefixcache.protocol.response_ids import new_instance, response_id
 from prefixcache.server.tool_prompt import Turn
 
 MAX_PER_TENANT = 256  # stored responses per tenant; the oldest goes first
@@ -41,6 +42,7 @@ class ResponseStore:
     ) -> None:
         self.max_per_tenant, self.ttl, self.clock = max_per_tenant, ttl, clock
         self.max_chars = max_chars
+        self.instance = new_instance()  # in /health and in every id issued here
         self._by_tenant: dict[str, OrderedDict[str, Stored]] = {}
         self._chars: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -72,6 +74,10 @@ class ResponseStore:
                 return None
             return entry
 
+    def new_id(self) -> str:
+        """An id for a new response: this replica's instance, then a random part."""
+        return response_id(self.instance)
+
     def view(self, tenant: str) -> TenantResponses:
         return TenantResponses(self, tenant)
 
@@ -85,6 +91,9 @@ class TenantResponses:
 
     def get(self, response_id: str) -> Stored | None:
         return self.store.get(self.tenant, response_id)
+
+    def new_id(self) -> str:
+        return self.store.new_id()
 
     def put(self, response_id: str, turns: list[Turn], counts: tuple[int, int]) -> None:
         self.store.put(self.tenant, response_id, turns, counts)

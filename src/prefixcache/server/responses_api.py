@@ -22,7 +22,7 @@ from prefixcache.server.prepare import (
     tool_rules,
 )
 from prefixcache.server.response_store import TenantResponses
-from prefixcache.server.responses_format import ResponsesShape, new_id
+from prefixcache.server.responses_format import ResponsesShape
 from prefixcache.server.tool_prompt import Call, Turn
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -55,7 +55,7 @@ def prepare_responses(raw: bytes, ctx: PrepareContext, view: TenantResponses) ->
         constraint=compiled(rules.constraint, ctx, "tools"),
     )
     shape = ResponsesShape(
-        new_id("resp"),
+        view.new_id(),
         body.model,
         history + new,
         _echo(body),
