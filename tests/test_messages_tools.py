@@ -12,10 +12,10 @@ import pytest
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.anthropic_schemas import AnthropicTool
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.tool_prompt import tools_block
 from prefixcache.server.app import prepare_context
 from prefixcache.server.messages import prepare_messages
 from prefixcache.server.prepare import prepare_chat
-from prefixcache.server.tool_prompt import tools_block
 from server_fixtures import running_server, wait_idle
 
 SCHEMA = {

@@ -8,8 +8,8 @@ import pytest
 
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.tool_prompt import Turn
 from prefixcache.server.response_store import ResponseStore
-from prefixcache.server.tool_prompt import Turn
 from server_fixtures import running_server, wait_idle, write_key_file
 
 INSTRUCTIONS = "You are a terse railway clerk. " * 4

@@ -11,10 +11,10 @@ from engine_fixtures import default_tokenizer, tiny_engine
 from prefixcache.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.tool_prompt import Call, Turn, render
 from prefixcache.protocol.tool_schemas import FunctionDef
 from prefixcache.server import openai_format
 from prefixcache.server.tool_parse import ToolStream, scan
-from prefixcache.server.tool_prompt import Call, Turn, render
 from server_fixtures import running_server
 
 WEATHER = FunctionDef(

@@ -1,7 +1,7 @@
 """One conversation model for every API: turns of text, an assistant's calls, tool results.
 
 Chat completions, the Responses API and Anthropic's Messages API all build these, and
-``server/tool_prompt.py`` renders them, so the same conversation is the same prompt (and
+``protocol/tool_prompt.py`` renders them, so the same conversation is the same prompt (and
 the same cached blocks) whichever API it came in by.
 """
 

@@ -6,17 +6,14 @@ The replica is the authority on what it accepts: the router refuses only a body 
 replica's strict JSON parser refuses (``protocol/json_body.load_json``: the same 400s,
 the same messages) and forwards anything else, so a bad field or an unknown model gets the
 replica's own error. It runs on a worker thread, never on the router's event loop. When it
-can, it tokenizes the prompt exactly as the replica will (``server/prepare.py``):
-``encode_chat`` of the messages' text for chat, ``encode(prompt, add_special_tokens=True)``
-or the ids as sent for text completions (the first prompt of a batch: the whole request
-goes to one replica); for the Messages API, ``protocol/anthropic_blocks.conversation``'s
-system and turns through ``encode_chat``, as ``server/messages.py`` renders them; for the
-Responses API, ``instructions`` and ``input``'s message text the same way.
-
-Tool definitions are not rendered (their rendering lives in the server): a request with
-tools is scored on its messages alone, which matches no block the replica stored, so it
-follows its ``prompt_cache_key``, or the router's expectation of the blocks it just sent.
-A ``previous_response_id`` request is not scored (its prompt is on the replica it names).
+can, it tokenizes the prompt exactly as the replica will (``server/prepare.py``): chat's
+and the Messages API's conversations, tools, calls and results included, through
+``protocol/tool_prompt.render`` (the replica's own renderer), ``encode(prompt,
+add_special_tokens=True)`` or the ids as sent for text completions (the first prompt of a
+batch: the whole request goes to one replica); for the Responses API, ``instructions`` and
+``input``'s message text through the chat template (input with calls or their outputs is
+not scored). A ``previous_response_id`` request is not scored (its prompt is on the
+replica it names).
 """
 
 from __future__ import annotations
@@ -26,12 +23,13 @@ from typing import NamedTuple
 from pydantic import ValidationError
 
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol import tool_prompt
 from prefixcache.protocol.anthropic_blocks import conversation
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.json_body import load_json
 from prefixcache.protocol.response_ids import instance_of
-from prefixcache.protocol.schemas import ChatMessage
+from prefixcache.protocol.schemas import ChatCompletionRequest
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "chat", "completions", "messages", "responses"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -65,13 +63,16 @@ def routing_view(raw: bytes, endpoint: str, tokenizer: Tokenizer | None) -> Rout
 
 
 def chat_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
-    """The chat template over the messages' text; None if the replica would refuse them."""
+    """The messages (tools, calls and results included) as the replica renders them; None
+    if the replica would refuse them."""
     try:
-        messages = [ChatMessage.model_validate(m) for m in data.get("messages") or []]
-        if not messages:
+        body = ChatCompletionRequest.model_validate(data)
+        if not body.messages:
             return None
-        return tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in messages])
-    except (ValidationError, ValueError, TypeError):
+        tools = [tool.function for tool in body.tools]
+        text = tool_prompt.render(tokenizer, tool_prompt.chat_turns(body.messages), tools)
+        return tokenizer.encode(text)
+    except (ValidationError, ApiError, ValueError, TypeError):
         return None
 
 
@@ -79,8 +80,10 @@ def messages_ids(data: dict, tokenizer: Tokenizer) -> list[int] | None:
     """A Messages body's system and turns through the chat template, as the replica
     renders them; None if the replica would refuse the body."""
     try:
-        turns, _ = conversation(MessagesRequest.model_validate(data))
-        return tokenizer.encode_chat([{"role": t.role, "content": t.content} for t in turns])
+        body = MessagesRequest.model_validate(data)
+        turns, _ = conversation(body)
+        tools = [tool.function() for tool in body.tools]
+        return tokenizer.encode(tool_prompt.render(tokenizer, turns, tools))
     except (ValidationError, ApiError, ValueError, TypeError):
         return None
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.protocol import tool_prompt
 from prefixcache.protocol.anthropic_blocks import TOOLS, Breakpoint, conversation
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.anthropic_tools import openai_tool_choice
@@ -23,7 +24,6 @@ from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.tool_schemas import FunctionDef
 from prefixcache.protocol.turns import Turn
-from prefixcache.server import tool_prompt
 from prefixcache.server.anthropic_format import MessageShape
 from prefixcache.server.prepare import (
     PrepareContext,

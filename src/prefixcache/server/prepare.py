@@ -16,18 +16,17 @@ from prefixcache.cache.retention import Keep
 from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.sampling import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.protocol import tool_schemas
+from prefixcache.protocol import tool_prompt, tool_schemas
 from prefixcache.protocol.constraints import Constraint
 from prefixcache.protocol.errors import ApiError, field_path
 from prefixcache.protocol.json_body import load_json
 from prefixcache.protocol.response_format import SCHEMA_FIELD, response_format_constraint
 from prefixcache.protocol.schemas import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
-from prefixcache.server import openai_format, tool_prompt
+from prefixcache.server import openai_format
 
 Prompts = list[list[int]]  # one token-id prompt per engine request
 
@@ -74,7 +73,7 @@ def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
     body = parse_body(raw, ChatCompletionRequest, ctx)
     tools = [t.function for t in body.tools]
     rules = tool_rules(tools, body.tool_choice, body.parallel_tool_calls, "tool_choice")
-    turns = [_turn(i, m) for i, m in enumerate(body.messages)]
+    turns = tool_prompt.chat_turns(body.messages)
     lost = tool_prompt.unanswerable(turns)
     if lost is not None:
         field = f"messages.{lost}.tool_call_id"
@@ -122,17 +121,6 @@ def render_prompt(
     prompt = ctx.tokenizer.encode(text)
     check_tokens([prompt], ctx, field)
     return prompt
-
-
-def _turn(index: int, message: ChatMessage) -> tool_prompt.Turn:
-    if message.tool_calls and message.role != "assistant":
-        field = f"messages.{index}.tool_calls"
-        raise ApiError(400, f"{field}: only assistant messages make tool calls", field)
-    calls = [
-        tool_prompt.Call(c.id, c.function.name, c.function.arguments)
-        for c in message.tool_calls or []
-    ]
-    return tool_prompt.Turn(message.role, message.text(), calls, message.tool_call_id)
 
 
 def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixcache.protocol.response_ids import new_instance, response_id
-from prefixcache.server.tool_prompt import Turn
+from prefixcache.protocol.tool_prompt import Turn
 
 MAX_PER_TENANT = 256  # stored responses per tenant; the oldest goes first
 MAX_CHARS_PER_TENANT = 16 * 2**20  # characters of stored conversations per tenant

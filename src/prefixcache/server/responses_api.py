@@ -12,6 +12,7 @@ from typing import Any
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.responses_schemas import ResponsesRequest
+from prefixcache.protocol.tool_prompt import Call, Turn
 from prefixcache.protocol.tool_schemas import check_arguments
 from prefixcache.server.prepare import (
     PrepareContext,
@@ -23,7 +24,6 @@ from prefixcache.server.prepare import (
 )
 from prefixcache.server.response_store import TenantResponses
 from prefixcache.server.responses_format import ResponsesShape
-from prefixcache.server.tool_prompt import Call, Turn
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")

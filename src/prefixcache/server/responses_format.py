@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.engine.request import RequestOutput
+from prefixcache.protocol.tool_prompt import Call, Turn
 from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
-from prefixcache.server.tool_prompt import Call, Turn
 
 Save = Callable[[str, list[Turn], tuple[int, int]], None]
 

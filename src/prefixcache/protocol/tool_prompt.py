@@ -12,11 +12,22 @@ rendered from the request alone, so turn N+1's prompt starts with turn N's.
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
-from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.constraints import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.schemas import ChatMessage
 from prefixcache.protocol.tool_schemas import FunctionDef
 from prefixcache.protocol.turns import Call, Turn
+
+
+class ChatTemplate(Protocol):
+    """What rendering needs of a tokenizer (``engine/tokenizer.py``'s ``Tokenizer``)."""
+
+    has_tool_section: bool
+
+    def apply_chat_template(self, messages: list[dict], **options: object) -> str: ...
+
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 SYSTEM_ROLES = ("system", "developer")
@@ -43,7 +54,7 @@ def tools_block(tools: list[FunctionDef]) -> str:
 
 
 def render(
-    tokenizer: Tokenizer, turns: list[Turn], tools: list[FunctionDef], tools_suffix: str = ""
+    tokenizer: ChatTemplate, turns: list[Turn], tools: list[FunctionDef], tools_suffix: str = ""
 ) -> str:
     """The prompt text of ``turns`` with ``tools`` (a tool section if the template has one;
     ``tools_suffix`` follows the generic tools block: where a breakpoint on the tools is)."""
@@ -92,3 +103,17 @@ def unanswerable(turns: list[Turn]) -> int | None:
         if turn.role == "tool" and turn.call_id not in seen:
             return i
     return None
+
+
+def chat_turns(messages: list[ChatMessage]) -> list[Turn]:
+    """Chat messages as turns; 400 naming the field for tool calls outside an assistant's."""
+    turns = []
+    for index, message in enumerate(messages):
+        if message.tool_calls and message.role != "assistant":
+            field = f"messages.{index}.tool_calls"
+            raise ApiError(400, f"{field}: only assistant messages make tool calls", field)
+        calls = [
+            Call(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []
+        ]
+        turns.append(Turn(message.role, message.text(), calls, message.tool_call_id))
+    return turns
