@@ -42,20 +42,20 @@ def fuzz_operation(operation, base_url: str, headers: dict, mode: GenerationMode
     )
     def run(case) -> None:
         if isinstance(case.body, dict):
-            short_generations(case.body)
+            short_generations(case.body, operation.path)
         case.call_and_validate(base_url=base_url, headers=headers, checks=CHECKS, timeout=60)
 
     run()
 
 
-def short_generations(body: dict) -> None:
+def short_generations(body: dict, path: str) -> None:
     """At most 4 tokens per completion, so that time goes to inputs, not to decoding (any
-    other value of these fields is sent as generated)."""
-    for name in ("max_tokens", "max_completion_tokens"):
+    other value of these fields is sent as generated); 2 when the body sets no limit."""
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if type(value) is int and value > 4:
             body[name] = 4
-    body.setdefault("max_tokens", 2)
+    body.setdefault("max_output_tokens" if path.endswith("/responses") else "max_tokens", 2)
 
 
 def fuzz(base_url: str, headers: dict, examples: int) -> list[str]:
