@@ -412,3 +412,17 @@ def test_the_fronts_429_past_a_tenants_share_is_anthropics_rate_limit_error(keys
         assert ask(url, ALPHA).usage.output_tokens > 0  # another tenant is still served
         wait_idle(state)
     assert_pool_clean(engine)
+
+
+def test_openai_cache_fields_on_a_messages_body_are_ignored_extras(plain_server):
+    """A Messages body has no prompt_cache_retention: an odd value there is an unknown field,
+    ignored like any other, never read as a retention class (it was a 500)."""
+    url, state = plain_server
+    body = {
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+        "prompt_cache_retention": "forever", "prompt_cache_key": 7,
+    }  # fmt: skip
+    reply = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": "k"})
+    assert reply.status_code == 200, reply.text
+    wait_idle(state)
+    assert_pool_clean(state.engine)

@@ -111,6 +111,9 @@ def test_a_function_call_round_trip_renders_and_answers(served):
           "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
         ({"input": 5}, "input"),
         ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
+        ({"input": "x", "prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+        ({"input": "x", "prompt_cache_key": 7}, "prompt_cache_key"),
+        ({"input": "x", "prompt_cache_key": "k" * 257}, "prompt_cache_key"),
     ],
 )  # fmt: skip
 def test_bad_bodies_are_400s_naming_the_field(served, body, field):
@@ -148,3 +151,16 @@ def test_a_previous_output_can_come_back_as_input_items(served):
     second = ask(api, input=[{"role": "user", "content": "hello"}, *items, {
         "role": "user", "content": "again"}])  # fmt: skip
     assert second.status in ("completed", "incomplete") and second.output[0].type == "message"
+
+
+def test_prompt_cache_retention_keeps_a_responses_prompt(served):
+    url, state = served
+    api = client(url)
+    before = state.engine.manager.retained_blocks()
+    instructions = "Keep this instruction block cached for a day. " * 4
+    api.responses.create(
+        model="tiny", instructions=instructions, input="hi", max_output_tokens=2,
+        prompt_cache_retention="24h", prompt_cache_key="my-agent",
+    )  # fmt: skip
+    wait_idle(state)
+    assert state.engine.manager.retained_blocks() > before

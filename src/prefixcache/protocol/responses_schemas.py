@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from prefixcache.protocol.limits import MAX_MESSAGES, MAX_NAME_CHARS
 from prefixcache.protocol.sampling_limits import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
-from prefixcache.protocol.schemas import NullMeansDefault
+from prefixcache.protocol.schemas import NullMeansDefault, PromptCacheFields
 from prefixcache.protocol.tool_schemas import MAX_TOOLS, ResponsesTool
 
 INPUT_SCHEMA = {
@@ -25,7 +25,7 @@ INPUT_SCHEMA = {
 UNSUPPORTED = ("reasoning", "background", "conversation", "prompt", "include")
 
 
-class ResponsesRequest(NullMeansDefault):
+class ResponsesRequest(NullMeansDefault, PromptCacheFields):
     """What a client may ask of /v1/responses; other OpenAI fields are refused or ignored."""
 
     model_config = ConfigDict(extra="allow")

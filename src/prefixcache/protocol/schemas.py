@@ -127,7 +127,20 @@ class ChatMessage(BaseModel):
         return self.content
 
 
-class SamplingFields(NullMeansDefault):
+class PromptCacheFields(BaseModel):
+    """OpenAI's prompt-caching controls (``protocol/cache_controls.py``), on every route
+    that takes them: a retention class, and a per-tenant key."""
+
+    prompt_cache_retention: Any = Field(None, json_schema_extra=RETENTION_SCHEMA)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_CACHE_KEY_CHARS)
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _retention(cls, value: Any) -> str | None:
+        return None if value is None else openai_retention_class(value)
+
+
+class SamplingFields(NullMeansDefault, PromptCacheFields):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -154,14 +167,6 @@ class SamplingFields(NullMeansDefault):
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = False
-    # cache controls (protocol/cache_controls.py): a retention class, a per-tenant key
-    prompt_cache_retention: Any = Field(None, json_schema_extra=RETENTION_SCHEMA)
-    prompt_cache_key: str | None = Field(None, max_length=MAX_CACHE_KEY_CHARS)
-
-    @field_validator("prompt_cache_retention")
-    @classmethod
-    def _retention(cls, value: Any) -> str | None:
-        return None if value is None else openai_retention_class(value)
 
     @field_validator("stop")
     @classmethod

@@ -39,7 +39,11 @@ from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
 from prefixcache.protocol.openapi import json_body, responses
 from prefixcache.protocol.responses_schemas import ResponsesRequest
-from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.protocol.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptCacheFields,
+)
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
@@ -295,10 +299,10 @@ async def _serve(
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     previous = server.tenants.previous_cache_salt(tenant, body.cache_salt)
-    controls = _Controls(
-        getattr(body, "prompt_cache_retention", None),
-        server.tenants.cache_key_id(tenant, getattr(body, "prompt_cache_key", None)),
-    )
+    controls = _Controls()  # a body without OpenAI's fields (Messages) has extras, unchecked
+    if isinstance(body, PromptCacheFields):
+        key_id = server.tenants.cache_key_id(tenant, body.prompt_cache_key)
+        controls = _Controls(body.prompt_cache_retention, key_id)
     fan_in = await _open(server, tenant, ready, (salt, previous), controls)
     done = _Done(server, tenant, salt, shape.request_id, shape.endpoint, controls.cache_key)
     if body.stream:
