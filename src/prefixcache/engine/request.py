@@ -113,8 +113,7 @@ class Request:
         self.previous_cache_salt = previous_cache_salt  # a secret rotation: tier reads only
         self.retention = retention  # prompt prefixes to keep cached once computed
         self.cache_key = cache_key  # a client's opaque per-tenant id: for traces and logs only
-        self.num_retained_blocks = 0  # how many of its prompt blocks the pool retained
-        self.retained_blocks = [0] * len(retention)  # the same, per retention ask
+        self.retained_blocks = [0] * len(retention)  # per retention ask: prompt blocks retained
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
         self.zero_on_evict = zero_on_evict  # zero its blocks before their slots are reused
         self.seed = params.seed if params.seed is not None else seed

@@ -136,7 +136,6 @@ class Scheduler:
         assert seq is not None
         for i, keep in enumerate(request.retention):
             kept = self.manager.retain(seq, *keep, owner=request.owner)
-            request.num_retained_blocks = max(request.num_retained_blocks, kept)
             request.retained_blocks[i] = max(request.retained_blocks[i], kept)
 
     def _admit(self, branch: Branch) -> bool:
