@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS, MAX_ANTHROPIC_BREAKPOINTS
 from prefixcache.protocol.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS
-from prefixcache.protocol.sampling_limits import MAX_STOP_STRINGS, MIN_TEMPERATURE, MIN_TOP_P
-from prefixcache.protocol.schemas import NullMeansDefault
+from prefixcache.protocol.sampling_limits import MAX_STOP_STRINGS, MIN_TOP_P
+from prefixcache.protocol.schemas import NullMeansDefault, Temperature
 from prefixcache.protocol.tool_schemas import (
     MAX_TOOLS,
     FunctionDef,
@@ -119,7 +119,7 @@ class MessagesRequest(NullMeansDefault):
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: Any = Field(None, json_schema_extra=SYSTEM_SCHEMA)
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    temperature: Temperature = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0)
     top_k: int = Field(0, ge=0)  # 0: no limit
     stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
@@ -133,13 +133,6 @@ class MessagesRequest(NullMeansDefault):
         description=f"one automatic breakpoint at the end of the last block "
         f"(at most {MAX_ANTHROPIC_BREAKPOINTS} in all)",
     )
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value: float) -> float:
-        if 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-        return value
 
     @field_validator("stop_sequences")
     @classmethod

@@ -29,18 +29,7 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 ANTHROPIC_PATHS = frozenset({"/v1/messages"})  # routes that answer in Anthropic's shape
-ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    503: "overloaded_error",
-}
+ANTHROPIC_ERROR_TYPES = {**ERROR_TYPES, 503: "overloaded_error"}  # the rest alike
 
 
 def field_path(parts: tuple | list) -> str:

@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import ConfigDict, Field, field_validator
 
 from prefixcache.protocol.limits import MAX_MESSAGES, MAX_NAME_CHARS
-from prefixcache.protocol.sampling_limits import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
-from prefixcache.protocol.schemas import NullMeansDefault, PromptCacheFields
+from prefixcache.protocol.sampling_limits import MAX_TEMPERATURE, MIN_TOP_P
+from prefixcache.protocol.schemas import NullMeansDefault, PromptCacheFields, Temperature
 from prefixcache.protocol.tool_schemas import MAX_TOOLS, ResponsesTool
 
 INPUT_SCHEMA = {
@@ -37,7 +37,7 @@ class ResponsesRequest(NullMeansDefault, PromptCacheFields):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "name"}
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    temperature: Temperature = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0)
     previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     store: bool = True
@@ -52,13 +52,6 @@ class ResponsesRequest(NullMeansDefault, PromptCacheFields):
             return value
         if not isinstance(value, list) or len(value) > MAX_MESSAGES:
             raise ValueError(f"must be a string or a list of at most {MAX_MESSAGES} items")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value: float) -> float:
-        if 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         return value
 
     def unsupported_field(self) -> tuple[str, str] | None:

@@ -7,9 +7,16 @@ it accepts, never one of pydantic's union branches.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from prefixcache.protocol.cache_controls import (
     MAX_CACHE_KEY_CHARS,
@@ -83,6 +90,16 @@ def _drop_nulls(data: Any) -> Any:
     return data
 
 
+def _greedy_or_warm(value: float) -> float:
+    """A temperature is 0 (greedy) or at least MIN_TEMPERATURE."""
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    return value
+
+
+Temperature = Annotated[float, AfterValidator(_greedy_or_warm)]  # every route's temperature
+
+
 class NullMeansDefault(BaseModel):
     """A body in which ``null`` for a field means the field's default."""
 
@@ -150,7 +167,7 @@ class SamplingFields(NullMeansDefault, PromptCacheFields):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    temperature: Temperature = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0)
     top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -181,13 +198,6 @@ class SamplingFields(NullMeansDefault, PromptCacheFields):
                 f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings"
             )
         return stops
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value: float) -> float:
-        if 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-        return value
 
     @field_validator("logit_bias")
     @classmethod
