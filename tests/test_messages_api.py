@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from clock_fixtures import FakeClock
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.cache.retention import Keep
 from prefixcache.protocol.auth import Tenants
@@ -27,16 +28,6 @@ ALPHA, BETA = "sk-alpha", "sk-beta"
 SYSTEM = "You are the archivist of a small library. Answer briefly and cite the shelf. " * 2
 DOCUMENT = "The third shelf holds atlases of rivers, bound in green cloth, from 1890. " * 2
 ONE_HOUR = {"type": "ephemeral", "ttl": "1h"}
-
-
-class Clock:
-    """A fake retention clock: ttls pass without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -74,7 +65,7 @@ def flood(url: str, rounds: int = 12) -> None:
 
 
 def test_the_first_call_creates_the_cache_and_the_second_reads_the_system_prompt(keys):
-    engine = tiny_engine(num_kv_blocks=128, retention_clock=Clock())
+    engine = tiny_engine(num_kv_blocks=128, retention_clock=FakeClock())
     with running_server(engine, keys) as (url, state):
         first = ask(url, system=marked_system())
         second = ask(url, system=marked_system(), user="Which shelf has rivers?")
@@ -106,7 +97,7 @@ def test_the_first_call_creates_the_cache_and_the_second_reads_the_system_prompt
 
 
 def test_a_1h_breakpoint_outlives_a_flood_the_unmarked_document_does_not_then_expires(keys):
-    clock = Clock()
+    clock = FakeClock()
     engine = tiny_engine(num_kv_blocks=32, retention_clock=clock)  # 128 tokens
     with running_server(engine, keys) as (url, state):
         first = ask(url, system=marked_system(), user=DOCUMENT)
@@ -127,7 +118,7 @@ def test_a_1h_breakpoint_outlives_a_flood_the_unmarked_document_does_not_then_ex
 
 def test_pins_that_fill_the_pool_never_block_another_tenants_admission(keys):
     engine = tiny_engine(
-        num_kv_blocks=32, retention_budgets={"alpha": 1.0}, retention_clock=Clock()
+        num_kv_blocks=32, retention_budgets={"alpha": 1.0}, retention_clock=FakeClock()
     )
     with running_server(engine, keys) as (url, state):
         long_system = [{"type": "text", "text": SYSTEM + DOCUMENT, "cache_control": ONE_HOUR}]
@@ -144,7 +135,7 @@ def test_pins_that_fill_the_pool_never_block_another_tenants_admission(keys):
 
 def test_the_budget_caps_what_one_tenant_retains(keys):
     engine = tiny_engine(
-        num_kv_blocks=32, retention_budgets={"alpha": 0.25}, retention_clock=Clock()
+        num_kv_blocks=32, retention_budgets={"alpha": 0.25}, retention_clock=FakeClock()
     )
     with running_server(engine, keys) as (url, state):
         reply = ask(
@@ -159,7 +150,7 @@ def test_the_budget_caps_what_one_tenant_retains(keys):
 
 
 def test_5m_and_1h_breakpoints_split_the_creation_and_the_request_level_one_marks_the_end(keys):
-    engine = tiny_engine(num_kv_blocks=128, retention_clock=Clock())
+    engine = tiny_engine(num_kv_blocks=128, retention_clock=FakeClock())
     with running_server(engine, keys) as (url, state):
         user = [
             {"type": "text", "text": DOCUMENT, "cache_control": {"type": "ephemeral"}},
@@ -186,7 +177,7 @@ def test_5m_and_1h_breakpoints_split_the_creation_and_the_request_level_one_mark
 
 
 def test_streaming_events_arrive_in_order_and_the_sdk_reassembles_the_text(keys):
-    engine = tiny_engine(num_kv_blocks=128, retention_clock=Clock())
+    engine = tiny_engine(num_kv_blocks=128, retention_clock=FakeClock())
     with running_server(engine, keys) as (url, state):
         body = {
             "model": "tiny", "max_tokens": 6, "temperature": 0, "stream": True,

@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from clock_fixtures import FakeClock
 from engine_fixtures import default_engine, tiny_engine
 from prefixcache.cache.retention import DEFAULT_SHARE, Keep
 from prefixcache.cli import build_parser
@@ -31,22 +32,12 @@ SYSTEM = "Heron ferry desk: answer timetable questions in one short sentence. " 
 OTHER = "Lynx rail help line, platforms and delays only, be brief please. " * 2
 
 
-class Clock:
-    """Retention expiries without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def served(tmp_path):
     """A tiny engine with a small pool and a fake retention clock, three tenants."""
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"tenants": TENANTS}))
-    clock = Clock()
+    clock = FakeClock()
     tenants = Tenants.from_file(path)  # its budgets reach the engine as `serve` passes them
     engine = tiny_engine(
         num_kv_blocks=POOL_BLOCKS,

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from clock_fixtures import FakeClock
 from conftest import admit_computed
 from prefixcache import KVCacheManager
 from prefixcache.cache.policies import POLICY_NAMES
@@ -13,19 +14,6 @@ from prefixcache.cache.policies import POLICY_NAMES
 BLOCK = 4
 POOL = 16
 FAIRNESS = [None, {}]  # owner_shares: a plain pool, a tenant-fair one (equal shares)
-
-
-class FakeClock:
-    """Seconds that move only when a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from clock_fixtures import FakeClock
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
-
-
-class Clock:
-    """A test clock: retention expiries without sleeping."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _run(engine, request_id, prompt, owner, retention=()):
@@ -34,7 +25,7 @@ def _flood(engine, rounds: int = 6) -> None:
 
 
 def test_a_retained_prefix_survives_a_flood_and_an_unmarked_one_does_not():
-    clock = Clock()
+    clock = FakeClock()
     engine = tiny_engine(num_kv_blocks=24, retention_clock=clock)
     system, document = list(range(1, 17)), list(range(500, 516))
     _run(engine, "sys", system + [900], "a", retention=(Keep(16, 3600.0, "1h"),))
@@ -52,7 +43,9 @@ def test_a_retained_prefix_survives_a_flood_and_an_unmarked_one_does_not():
 
 
 def test_the_budget_caps_what_one_owner_retains():
-    engine = tiny_engine(num_kv_blocks=24, retention_budgets={"a": 0.25}, retention_clock=Clock())
+    engine = tiny_engine(
+        num_kv_blocks=24, retention_budgets={"a": 0.25}, retention_clock=FakeClock()
+    )
     long_prompt = list(range(1, 41))
     _run(engine, "big", long_prompt + [7], "a", retention=(Keep(40, 300.0),))
     assert engine.manager.retained_blocks() == 6  # 0.25 * 24 of the 10 asked

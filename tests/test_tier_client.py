@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clock_fixtures import FakeClock
 from prefixcache.tier import (
     BlockFormat,
     DiskTier,
@@ -26,14 +27,6 @@ from prefixcache.tier.seal import TierKeys
 FMT = BlockFormat(hashlib.sha256(b"ns").digest(), "float32", "layer,kv", (4, 32), 4)
 KEY = TierKeys(bytes(32)).current.for_salt(None)  # one tenant secret's key for these tests
 OTHER = FMT._replace(namespace_digest=hashlib.sha256(b"other model").digest())
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FlakyTier(KVTier):
@@ -131,7 +124,7 @@ def test_start_fetch_runs_on_a_pool_thread(tmp_path: Path):
 
 
 def test_breaker_opens_backs_off_and_closes(flaky: FlakyTier, caplog):
-    clock = FakeClock()
+    clock = FakeClock(50.0)
     client = TierClient(
         flaky, FMT, failure_threshold=2, cooldown_seconds=1, max_cooldown_seconds=3, clock=clock
     )
@@ -171,7 +164,7 @@ def test_a_success_resets_the_failure_count(flaky: FlakyTier):
 
 
 def test_half_open_lets_exactly_one_probe_through(flaky: FlakyTier):
-    clock = FakeClock()
+    clock = FakeClock(50.0)
     client = TierClient(flaky, FMT, failure_threshold=1, clock=clock)
     flaky.down = True
     client.fetch([digest("a")], KEY)

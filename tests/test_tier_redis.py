@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis.connection
 
+from clock_fixtures import FakeClock
 from prefixcache.tier import BlockFormat, RedisTier, TierClient, TierError, open_tier
 from prefixcache.tier.codec import encode_value
 from prefixcache.tier.seal import TierKeys
@@ -18,16 +19,6 @@ from redis_fixtures import RedisProcess, redis_cluster, redis_server
 FMT = BlockFormat(hashlib.sha256(b"ns").digest(), "float32", "layer,kv", (4, 32), 4)
 KEY = TierKeys(bytes(32)).current.for_salt(None)  # one tenant secret's key for these tests
 PREFIX = b"prefixcache:kv:"
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def digest(name: str) -> bytes:

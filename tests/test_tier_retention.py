@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clock_fixtures import FakeClock
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.sampling import SamplingParams
@@ -21,16 +22,7 @@ from test_tier_disk import FMT, KEY, SIZE, block_file, digest, value
 DAY = 86400.0
 TIER_TTL = 600
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
-
-class WallClock:
-    """Wall-clock seconds the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+WALL_NOW = 1_800_000_000.0  # the disk tier's clock is wall-clock seconds (moved by hand)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +113,7 @@ def record_file(root: Path, name: str) -> Path:
 
 def test_the_cap_evicts_unretained_blocks_first_and_keeps_a_retained_one(tmp_path: Path):
     removed: list[bytes] = []
-    tier = DiskTier(tmp_path, 3 * SIZE, on_removed=removed.extend, clock=WallClock())
+    tier = DiskTier(tmp_path, 3 * SIZE, on_removed=removed.extend, clock=FakeClock(WALL_NOW))
     assert tier.put(digest("kept"), value("kept", 9), 9, DAY)  # deepest and oldest
     for name, depth in [("a", 0), ("b", 1), ("c", 0), ("d", 2)]:
         assert tier.put(digest(name), value(name, depth), depth)
@@ -132,7 +124,7 @@ def test_the_cap_evicts_unretained_blocks_first_and_keeps_a_retained_one(tmp_pat
 
 def test_retained_blocks_go_only_when_nothing_else_is_left_earliest_expiry_first(tmp_path):
     removed: list[bytes] = []
-    tier = DiskTier(tmp_path, 2 * SIZE, on_removed=removed.extend, clock=WallClock())
+    tier = DiskTier(tmp_path, 2 * SIZE, on_removed=removed.extend, clock=FakeClock(WALL_NOW))
     tier.put(digest("day"), value("day"), 0, DAY)
     tier.put(digest("hour"), value("hour", 3), 3, 3600.0)
     tier.put(digest("new"), value("new"), 0)
@@ -144,7 +136,7 @@ def test_retained_blocks_go_only_when_nothing_else_is_left_earliest_expiry_first
 
 
 def test_a_restart_keeps_the_expiry(tmp_path: Path):
-    clock = WallClock()
+    clock = FakeClock(WALL_NOW)
     first = DiskTier(tmp_path, 3 * SIZE, clock=clock)
     first.put(digest("kept"), value("kept", 5), 5, DAY)
     first.put(digest("plain"), value("plain"), 0)
@@ -165,7 +157,7 @@ def test_a_restart_keeps_the_expiry(tmp_path: Path):
 
 
 def test_an_expired_mark_is_an_ordinary_block_again(tmp_path: Path):
-    clock = WallClock()
+    clock = FakeClock(WALL_NOW)
     removed: list[bytes] = []
     tier = DiskTier(tmp_path, 3 * SIZE, on_removed=removed.extend, clock=clock)
     tier.put(digest("old"), value("old"), 0)
