@@ -20,9 +20,11 @@ from safetensors.torch import save_file
 
 from engine_fixtures import random_state_dict, tiny_config
 from prefixcache.engine.model_files import load_tokenizer
+from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.front import uvicorn_config
+from prefixcache.protocol.tenant_secret import load_or_create_secret
 from prefixcache.router.app import RouterConfig, RouterState, create_router_app
-from server_fixtures import free_port
+from server_fixtures import free_port, write_key_file
 
 START_TIMEOUT_S = 60.0
 
@@ -178,3 +180,23 @@ def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+@contextmanager
+def tiny_replicas(
+    work: Path, count: int = 2
+) -> Iterator[tuple[list[ReplicaProcess], Tenants, Path]]:
+    """``count`` tiny-model replicas sharing one key file and tenant secret, each ready; the
+    tenants as the router reads them, and the model folder."""
+    model = write_tiny_hf_model(work / "tiny")
+    keys, secret = write_key_file(work), work / "tenant-secret"
+    tenants = Tenants.from_file(keys, load_or_create_secret(secret))
+    shared = ("--api-key-file", str(keys), "--tenant-secret-file", str(secret))
+    replicas = [ReplicaProcess(model, work, shared).start() for _ in range(count)]
+    try:
+        for replica in replicas:
+            replica.wait_ready()
+        yield replicas, tenants, model
+    finally:
+        for replica in replicas:
+            replica.stop()

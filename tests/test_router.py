@@ -11,7 +11,6 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +19,6 @@ from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
-from prefixcache.protocol.tenant_secret import load_or_create_secret
 from prefixcache.router.app import RouterConfig
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.forward import REPLICA_HEADER
@@ -31,10 +29,9 @@ from router_fixtures import (
     ReplicaProcess,
     metric_total,
     running_router,
+    tiny_replicas,
     wait_until,
-    write_tiny_hf_model,
 )
-from server_fixtures import write_key_file
 
 KEY = "sk-alpha"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -70,19 +67,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    work: Path = tmp_path_factory.mktemp("router")
-    model = write_tiny_hf_model(work / "tiny")
-    keys, secret = write_key_file(work), work / "tenant-secret"
-    tenants = Tenants.from_file(keys, load_or_create_secret(secret))
-    shared = ("--api-key-file", str(keys), "--tenant-secret-file", str(secret))
-    replicas = [ReplicaProcess(model, work, shared).start() for _ in range(2)]
-    try:
-        for replica in replicas:
-            replica.wait_ready()
+    with tiny_replicas(tmp_path_factory.mktemp("router")) as (replicas, tenants, model):
         yield Cluster(replicas, load_tokenizer(model), tenants)
-    finally:
-        for replica in replicas:
-            replica.stop()
 
 
 def document(name: str, words: int = 30) -> str:

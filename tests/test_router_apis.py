@@ -16,7 +16,6 @@ from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import Limits
 from prefixcache.protocol.response_ids import instance_of
-from prefixcache.protocol.tenant_secret import load_or_create_secret
 from prefixcache.router.app import RouterConfig
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.forward import REPLICA_HEADER
@@ -26,10 +25,10 @@ from router_fixtures import (
     ReplicaProcess,
     metric_total,
     running_router,
+    tiny_replicas,
     wait_until,
-    write_tiny_hf_model,
 )
-from server_fixtures import free_port, write_key_file
+from server_fixtures import free_port
 
 KEY = "sk-alpha"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -62,19 +61,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    work: Path = tmp_path_factory.mktemp("router-apis")
-    model = write_tiny_hf_model(work / "tiny")
-    keys, secret = write_key_file(work), work / "tenant-secret"
-    tenants = Tenants.from_file(keys, load_or_create_secret(secret))
-    shared = ("--api-key-file", str(keys), "--tenant-secret-file", str(secret))
-    replicas = [ReplicaProcess(model, work, shared).start() for _ in range(2)]
-    try:
-        for replica in replicas:
-            replica.wait_ready()
+    with tiny_replicas(tmp_path_factory.mktemp("router-apis")) as (replicas, tenants, model):
         yield Cluster(replicas, tenants, model)
-    finally:
-        for replica in replicas:
-            replica.stop()
 
 
 def document(name: str, words: int = 30) -> str:
