@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REAL_TRACE
+from prefixcache.sim.trace_formats import detect_format
 from prefixcache.sim.traces import (
     MooncakeRequest,
     TokenRequest,
-    detect_format,
     load_trace,
     read_mooncake,
     read_token_trace,
@@ -155,8 +155,8 @@ def test_unknown_or_empty_traces_are_refused(tmp_path):
     other = write_lines(tmp_path / "other.jsonl", [{"timestamp": 0, "prompt": "hi"}])
     with pytest.raises(ValueError, match="line 1: neither 'hash_ids'"):
         load_trace(other)
-    with pytest.raises(ValueError, match="unknown trace format 'csv'"):
-        load_trace(other, "csv")
+    with pytest.raises(ValueError, match="unknown trace format 'parquet'"):
+        load_trace(other, "parquet")
 
 
 def test_the_real_trace_reads_clean():

@@ -17,6 +17,7 @@ from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import INDEX_NAMES
 from prefixcache.cache.policies import POLICY_NAMES
 from prefixcache.sim.replay import Progress
+from prefixcache.sim.traces import TRACE_FORMATS
 
 if TYPE_CHECKING:
     from prefixcache.sim.sweep import SweepReport
@@ -32,7 +33,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         help="replay a trace through the real cache: hit rates per policy, and the optimum",
         description=__doc__.splitlines()[0],
     )
-    parser.add_argument("trace", help="JSONL trace: Mooncake (hash_ids) or ours (token_ids)")
+    parser.add_argument(
+        "trace", help="a trace: Mooncake or Bailian JSONL (hash_ids), ours (token_ids), or CSV"
+    )
     _add_sweep_options(parser)
     parser.add_argument(
         "--recommend", action="store_true",
@@ -139,11 +142,13 @@ def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
         help="prefix index(es); several: compare their replay wall time (default: hash)",
     )  # fmt: skip
     parser.add_argument(
-        "--format", dest="trace_format", choices=["auto", "mooncake", "tokens"], default="auto"
-    )
+        "--trace-format", "--format", dest="trace_format", choices=TRACE_FORMATS, default="auto",
+        help="the trace's format (default: %(default)s, from its first line)",
+    )  # fmt: skip
     parser.add_argument(
         "--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
-        help="tokens per block for token-id traces (Mooncake blocks are 512 tokens)",
+        help="tokens per block of token-id and CSV traces (default: %(default)s; Mooncake "
+        "blocks are 512 tokens, Bailian's 16)",
     )  # fmt: skip
 
 
@@ -169,7 +174,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.out and not args.out.endswith((".json", ".csv")):
         raise ValueError(f"--out {args.out}: the suffix must be .json or .csv")
-    trace = load_trace(args.trace, args.trace_format)
+    trace = load_trace(args.trace, args.trace_format, args.block_size)
     if args.tenants:
         trace = split_tenants(trace, args.tenants, args.block_size)
     check_capacity(trace, min(args.capacity), args.block_size)

@@ -27,7 +27,7 @@ from prefixcache.cache import KVCacheManager
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.cache.sequence import Sequence
-from prefixcache.sim.traces import MOONCAKE_BLOCK_TOKENS, Mark, MooncakeRequest, TokenRequest, Trace
+from prefixcache.sim.traces import Mark, MooncakeRequest, TokenRequest, Trace
 
 Progress = Callable[[int], None]
 IN_MEMORY_SECONDS = 300.0  # OpenAI's "in_memory" retention; a longer TTL is the "24h" class
@@ -172,10 +172,10 @@ def _retain(
 ) -> None:
     """Apply the request's marks to its cached ``seq`` (its tenant the owner).
 
-    A Mooncake mark covers whole ids (512 tokens, or ``block_size`` for captured traces),
+    A Mooncake mark covers whole ids (``id_tokens``, or ``block_size`` for captured traces),
     the partial last one only when it covers the whole input."""
     if isinstance(request, MooncakeRequest):
-        unit, length = request.block_size or MOONCAKE_BLOCK_TOKENS, request.input_length
+        unit, length = request.block_size or request.id_tokens, request.input_length
     else:
         unit, length = 1, len(request.token_ids)
     for mark in retention.marks(request, length, unit * manager.block_size):

@@ -15,7 +15,7 @@ from prefixcache.sim.replay import (
     block_references,
     replay,
 )
-from prefixcache.sim.traces import Trace
+from prefixcache.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace
 
 
 @dataclass(slots=True)
@@ -52,6 +52,12 @@ class SweepReport:
         return SweepReport(self.trace, results, [o for o in self.optimum if o.capacity in keep])
 
 
+def id_tokens(trace: Trace) -> int:
+    """Tokens per block id of a hash-id trace (512 for Mooncake's, 16 for Bailian's)."""
+    first = trace.requests[0] if trace.requests else None
+    return (first.block_size or first.id_tokens) if first else MOONCAKE_BLOCK_TOKENS
+
+
 def summarize(trace: Trace, block_size: int) -> dict:
     """Requests, block references, distinct blocks and the unbounded cache's hit rate."""
     references = block_references(trace, 0, block_size)
@@ -59,8 +65,8 @@ def summarize(trace: Trace, block_size: int) -> dict:
     repeats = infinite_hits(references)
     return {
         "path": trace.path,
-        "format": trace.kind,
-        "block_size": 512 if trace.kind == "mooncake" else block_size,
+        "format": trace.format_name,
+        "block_size": id_tokens(trace) if trace.kind == "mooncake" else block_size,
         "requests": len(trace.requests),
         "block_references": total,
         "distinct_blocks": len({block for ids in references for block in ids}),

@@ -10,7 +10,8 @@ those end after one question (one-shot documents).
 Content is modelled as segments (a system prompt, one message, one reply): every segment
 has its own token ids, derived from the seed and its number, so equal prefixes and only
 equal prefixes give equal blocks. Output is our token-id format or the Mooncake format
-(prefix-chained ids of 512-token blocks, the last one partial). Same seed, same trace.
+(prefix-chained ids of 512-token blocks, the last one partial); each line's ``session`` is
+its conversation's number. Same seed, same trace.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class SynthRequest:
     timestamp_ms: int
     segments: list[tuple[int, int]]  # (segment number, tokens), in order
     output: tuple[int, int]
+    conversation: int = 0  # its conversation's number, in order of arrival
 
 
 @dataclass(slots=True)
@@ -122,6 +124,7 @@ class _Conversation:
     history: list[tuple[int, int]]
     clock_ms: float
     turns_left: int
+    number: int = 0
     requests: list[SynthRequest] = field(default_factory=list)
 
 
@@ -173,11 +176,11 @@ class Generator:
     def conversations(self) -> Iterator[_Conversation]:
         """Every conversation, fully generated, in order of arrival."""
         clock_s = 0.0
-        for _ in range(self.config.conversations):
+        for number in range(self.config.conversations):
             clock_s += self.rng.expovariate(self.config.arrival_per_s)
-            yield self.conversation(clock_s * 1000.0)
+            yield self.conversation(clock_s * 1000.0, number)
 
-    def conversation(self, start_ms: float) -> _Conversation:
+    def conversation(self, start_ms: float, number: int = 0) -> _Conversation:
         """One conversation: system prompt, optional document, user turns with tool calls."""
         config = self.config
         history = []
@@ -190,7 +193,7 @@ class Generator:
         if self.rng.random() < config.doc_share:
             history.append(self.segment(config.doc_tokens))
             turns = 1 if self.rng.random() < config.doc_one_shot else max(2, turns)
-        conversation = _Conversation(history, start_ms, turns)
+        conversation = _Conversation(history, start_ms, turns, number)
         while conversation.turns_left:
             self.user_turn(conversation)
         return conversation
@@ -211,7 +214,9 @@ class Generator:
     def request(self, conversation: _Conversation) -> tuple[int, int]:
         """Send the history; its reply joins the history once generated."""
         reply = self.segment(self.config.output_tokens)
-        request = SynthRequest(round(conversation.clock_ms), list(conversation.history), reply)
+        request = SynthRequest(
+            round(conversation.clock_ms), list(conversation.history), reply, conversation.number
+        )
         conversation.requests.append(request)
         conversation.history.append(reply)
         conversation.clock_ms += reply[1] * DECODE_MS_PER_TOKEN
@@ -253,7 +258,8 @@ def to_token_requests(requests: list[SynthRequest], seed: int) -> list[TokenRequ
     rows = []
     for request in requests:
         prompt = [token for segment in request.segments for token in source.tokens(segment)]
-        rows.append(TokenRequest(request.timestamp_ms, prompt, list(source.tokens(request.output))))
+        output = list(source.tokens(request.output))
+        rows.append(TokenRequest(request.timestamp_ms, prompt, output, session=_session(request)))
     return rows
 
 
@@ -268,8 +274,15 @@ def to_mooncake_requests(requests: list[SynthRequest]) -> list[MooncakeRequest]:
         for piece in _block_pieces(request.segments, MOONCAKE_BLOCK_TOKENS):
             parent = ids.setdefault((parent, piece), len(ids))
             chain.append(parent)
-        rows.append(MooncakeRequest(request.timestamp_ms, length, request.output[1], chain))
+        row = MooncakeRequest(request.timestamp_ms, length, request.output[1], chain)
+        row.session = _session(request)
+        rows.append(row)
     return rows
+
+
+def _session(request: SynthRequest) -> str:
+    """The session a trace line carries: its conversation's number."""
+    return str(request.conversation)
 
 
 def _block_pieces(segments: list[tuple[int, int]], block_tokens: int) -> Iterator[tuple]:
@@ -325,9 +338,11 @@ def _record(row: MooncakeRequest | TokenRequest) -> dict:
             "input_length": row.input_length,
             "output_length": row.output_length,
             "hash_ids": row.hash_ids,
+            "session": row.session,
         }
     return {
         "timestamp": row.timestamp,
         "token_ids": row.token_ids,
         "output_token_ids": row.output_token_ids,
+        "session": row.session,
     }

@@ -8,10 +8,14 @@ Mooncake (FAST'25 release): ``{"timestamp": ms, "input_length": n, "output_lengt
 position k stands for the same first k+1 blocks everywhere), the last block partial.
 
 Ours: ``{"timestamp": ms, "token_ids": [...], "output_token_ids": [...],
-"cache_salt": "...", "tenant": "..."}``; the last three are optional. A trace without
-tenants (Mooncake's) can be split into K of them by a hash of each request's first block
-(``split_tenants``): requests that share a first block share a tenant, as a shared system
-prompt would.
+"cache_salt": "...", "tenant": "..."}``; the last three are optional.
+
+Both may carry ``"session": "..."`` (a conversation's id, a string of at most 256
+characters or an integer; Mooncake also takes ``"session_id"``, as NVIDIA's tools write it).
+Alibaba's Bailian traces and our CSV are read (``sim/trace_formats.py``) into the same
+hash-id requests, 16 tokens per id. A trace without tenants (Mooncake's) can be split into
+K of them by a hash of each request's first block (``split_tenants``): requests that share
+a first block share a tenant, as a shared system prompt would.
 
 Both formats may carry, as ``--trace-out`` writes them, ``"cache_key": id`` (an opaque
 integer per tenant and ``prompt_cache_key``) and ``"retention": [[num_tokens, ttl_seconds],
@@ -29,11 +33,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
+
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_ID = 2**32 - 1
+MAX_SESSION_CHARS = 256
 TOKEN_FIELDS = {
-    "timestamp", "token_ids", "output_token_ids", "cache_salt", "tenant", "cache_key", "retention"
+    "timestamp", "token_ids", "output_token_ids", "cache_salt", "tenant", "cache_key", "retention",
+    "session",
 }  # fmt: skip
+TRACE_FORMATS = ("auto", "mooncake", "tokens", "bailian", "csv")
+CSV_COLUMNS = ("timestamp", "session", "block_ids", "tenant", "input_length", "output_length")
 
 
 class Mark(NamedTuple):
@@ -55,6 +65,8 @@ class MooncakeRequest:
     tenant: str | None = None  # set by ``split_tenants``
     cache_key: int | None = None
     retention: list[Mark] = field(default_factory=list)
+    id_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per id without block_size, the last partial
+    session: str | None = None
 
     def usable_hits(self, hit_blocks: int) -> int:
         """Hit blocks a server would serve: rule 10's cap applies to captured traces."""
@@ -63,12 +75,12 @@ class MooncakeRequest:
         return min(hit_blocks, (self.input_length - 1) // self.block_size)
 
     def hit_tokens(self, hit_blocks: int) -> int:
-        """Tokens in the first ``hit_blocks`` blocks: 512 each, the last one partial."""
+        """Tokens in the first ``hit_blocks`` blocks: ``id_tokens`` each, the last partial."""
         if self.block_size is not None:
             return self.usable_hits(hit_blocks) * self.block_size
         if hit_blocks >= len(self.hash_ids):
             return self.input_length
-        return hit_blocks * MOONCAKE_BLOCK_TOKENS
+        return hit_blocks * self.id_tokens
 
 
 @dataclass(slots=True)
@@ -82,15 +94,22 @@ class TokenRequest:
     tenant: str | None = None
     cache_key: int | None = None
     retention: list[Mark] = field(default_factory=list)
+    session: str | None = None
 
 
 @dataclass(slots=True)
 class Trace:
-    """A loaded trace: where it came from, its format, and its requests in time order."""
+    """A loaded trace: where it came from, how it replays, and its requests in time order."""
 
     path: str
-    kind: str
+    kind: str  # "mooncake" (hash-id requests) or "tokens"
     requests: list
+    source_format: str = ""  # the file's format when it is not ``kind``: "bailian", "csv"
+
+    @property
+    def format_name(self) -> str:
+        """The format the trace was read from."""
+        return self.source_format or self.kind
 
 
 class LineError(ValueError):
@@ -123,21 +142,21 @@ def _is_int(value: object) -> bool:
 class _Fields:
     """Typed access to one record's fields; every failure names the field."""
 
-    def __init__(self, path: Path, line_no: int, record: dict) -> None:
-        self.path, self.line_no, self.record = path, line_no, record
+    def __init__(self, path: Path, line_no: int, record: dict, noun: str = "field") -> None:
+        self.path, self.line_no, self.record, self.noun = path, line_no, record, noun
 
     def fail(self, name: str, message: str) -> LineError:
-        return _error(self.path, self.line_no, f"field {name!r} {message}")
+        return _error(self.path, self.line_no, f"{self.noun} {name!r} {message}")
 
     def required(self, name: str) -> object:
         if name not in self.record:
             raise self.fail(name, "is missing")
         return self.record[name]
 
-    def timestamp(self) -> float:
+    def timestamp(self, unit: str = "ms") -> float:
         value = self.required("timestamp")
         if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-            raise self.fail("timestamp", f"must be a number (ms), got {value!r}")
+            raise self.fail("timestamp", f"must be a number ({unit}), got {value!r}")
         if value < 0:
             raise self.fail("timestamp", f"must be >= 0, got {value}")
         return value
@@ -198,6 +217,20 @@ class _Fields:
             raise self.fail(name, f"must be a string, got {type(value).__name__}")
         return value
 
+    def session(self, *names: str) -> str | None:
+        """The first of ``names`` present: a string of at most 256 characters, or an integer."""
+        name = next((n for n in names if self.record.get(n) is not None), None)
+        if name is None:
+            return None
+        value = self.record[name]
+        if _is_int(value):
+            return str(value)
+        if not isinstance(value, str):
+            raise self.fail(name, f"must be a string or an integer, got {type(value).__name__}")
+        if len(value) > MAX_SESSION_CHARS:
+            raise self.fail(name, f"has {len(value)} characters, more than {MAX_SESSION_CHARS}")
+        return value
+
 
 def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
     """Stream a Mooncake trace, checking lengths against the ids and the prefix chaining."""
@@ -216,6 +249,7 @@ def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
         _check_chaining(fields, request.hash_ids, parent_of)
         request.cache_key = fields.cache_key()
         request.retention = fields.retention(request.input_length)
+        request.session = fields.session("session", "session_id")
         yield request
 
 
@@ -229,33 +263,35 @@ def _optional_block_size(fields: _Fields) -> int | None:
     return size
 
 
-def _check_blocks(fields: _Fields, request: MooncakeRequest) -> None:
-    """The ids cover the input: one per 512 tokens, the last one partial (Mooncake), or
-    one per full block of ``block_size`` tokens (captured by ``--trace-out``)."""
+def _check_blocks(fields: _Fields, request: MooncakeRequest, name: str = "hash_ids") -> None:
+    """The ids cover the input: one per ``id_tokens`` (512: Mooncake), the last one partial,
+    or one per full block of ``block_size`` tokens (captured by ``--trace-out``)."""
     if request.block_size is None:
-        needed = math.ceil(request.input_length / MOONCAKE_BLOCK_TOKENS)
-        what = f"blocks of {MOONCAKE_BLOCK_TOKENS}"
+        needed = math.ceil(request.input_length / request.id_tokens)
+        what = f"blocks of {request.id_tokens}"
     else:
         needed = request.input_length // request.block_size
         what = f"full blocks of block_size {request.block_size}"
     if needed != len(request.hash_ids):
         raise fields.fail(
-            "hash_ids",
+            name,
             f"has {len(request.hash_ids)} ids but input_length {request.input_length} "
             f"needs {needed} {what}",
         )
     if request.block_size is None and not request.hash_ids:
-        raise fields.fail("hash_ids", "is empty")
+        raise fields.fail(name, "is empty")
 
 
-def _check_chaining(fields: _Fields, hash_ids: list[int], parent_of: dict[int, int]) -> None:
+def _check_chaining(
+    fields: _Fields, hash_ids: list[int], parent_of: dict[int, int], name: str = "hash_ids"
+) -> None:
     """An id must follow the same id everywhere (and never repeat within a request)."""
     parent = -1
     for position, block_id in enumerate(hash_ids):
         known = parent_of.setdefault(block_id, parent)
         if known != parent:
             raise fields.fail(
-                "hash_ids",
+                name,
                 f"[{position}] = {block_id} follows {parent} here but {known} earlier: "
                 "ids must be prefix-chained",
             )
@@ -279,19 +315,8 @@ def read_token_trace(path: str | Path) -> Iterator[TokenRequest]:
             fields.optional_str("tenant"),
             fields.cache_key(),
             fields.retention(len(tokens)),
+            fields.session("session"),
         )
-
-
-def detect_format(path: str | Path) -> str:
-    """ "mooncake" or "tokens", from the first non-blank line's fields."""
-    path = Path(path)
-    for line_no, record in _parse_lines(path):
-        if "hash_ids" in record:
-            return "mooncake"
-        if "token_ids" in record:
-            return "tokens"
-        raise _error(path, line_no, "neither 'hash_ids' (Mooncake) nor 'token_ids' present")
-    raise ValueError(f"{path}: the trace is empty")
 
 
 def split_tenants(trace: Trace, count: int, block_size: int) -> Trace:
@@ -310,17 +335,29 @@ def split_tenants(trace: Trace, count: int, block_size: int) -> Trace:
         digest = hashlib.blake2b(json.dumps(first).encode(), digest_size=8).digest()
         return f"t{int.from_bytes(digest, 'little') % count}"
 
-    requests = [replace(request, tenant=tenant(request)) for request in trace.requests]
-    return Trace(trace.path, trace.kind, requests)
+    return replace(trace, requests=[replace(r, tenant=tenant(r)) for r in trace.requests])
 
 
-def load_trace(path: str | Path, trace_format: str = "auto") -> Trace:
-    """Read a whole trace once (validated), in timestamp order (stable for ties)."""
-    kind = detect_format(path) if trace_format == "auto" else trace_format
-    readers = {"mooncake": read_mooncake, "tokens": read_token_trace}
+def load_trace(
+    path: str | Path, trace_format: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE
+) -> Trace:
+    """Read a whole trace once (validated), in timestamp order (stable for ties).
+
+    ``block_size``: tokens per block id of a CSV trace (the other formats fix their own)."""
+    from prefixcache.sim import trace_formats
+
+    kind = trace_formats.detect_format(path) if trace_format == "auto" else trace_format
+    readers = {
+        "mooncake": read_mooncake,
+        "tokens": read_token_trace,
+        "bailian": trace_formats.read_bailian,
+        "csv": lambda csv_path: trace_formats.read_csv(csv_path, block_size),
+    }
     if kind not in readers:
-        raise ValueError(f"unknown trace format {kind!r}; choose auto, mooncake or tokens")
+        raise ValueError(f"unknown trace format {kind!r}; choose one of {', '.join(TRACE_FORMATS)}")
     requests = list(readers[kind](path))
     if any(a.timestamp > b.timestamp for a, b in itertools.pairwise(requests)):
         requests.sort(key=lambda request: request.timestamp)
-    return Trace(str(path), kind, requests)
+    if kind == "tokens":
+        return Trace(str(path), kind, requests)
+    return Trace(str(path), "mooncake", requests, "" if kind == "mooncake" else kind)
