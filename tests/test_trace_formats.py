@@ -12,6 +12,7 @@ import pytest
 
 from prefixcache.cli import main
 from prefixcache.sim.replay import replay
+from prefixcache.sim.sweep import summarize
 from prefixcache.sim.synth import SynthConfig, synth_trace, write_trace
 from prefixcache.sim.trace_formats import detect_format
 from prefixcache.sim.traces import load_trace
@@ -51,6 +52,7 @@ def test_every_mooncake_variant_replays_with_its_shared_prefix_hit(tmp_path, var
     path = write_json_lines(tmp_path / f"{variant}.jsonl", MOONCAKE_VARIANTS[variant])
     trace = load_trace(path)
     assert detect_format(path) == "mooncake" and trace.format_name == "mooncake"
+    assert summarize(trace, 16)["block_size"] == 512
     result = replay(trace, 16)
     assert (result.blocks, result.hit_blocks, result.hit_tokens) == (6, 2, 2 * 512)
     sessions = [r.session for r in trace.requests]
@@ -85,6 +87,7 @@ def test_bailian_chains_give_one_session_per_conversation_and_16_token_hits(tmp_
     assert result.hits_per_request == [0, 2, 0, 4, 0]
     assert result.hit_tokens == 2 * 16 + 4 * 16
     assert result.tokens == 30 + 60 + 20 + 70 + 16
+    assert summarize(trace, 4)["block_size"] == 16  # --out reports the trace's own block
 
 
 @pytest.mark.parametrize(
