@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
-from prefixcache.sim.recommend import ladder, recommend
+from prefixcache.sim.recommend import format_recommendation, ladder, recommend
 from prefixcache.sim.replay import ReplayResult
 from prefixcache.sim.sweep import Optimum, SweepReport
 from prefixcache.sim.synth import family_config, synth_trace, write_trace
@@ -51,6 +51,38 @@ def test_simulate_recommend_prints_the_pick(tmp_path, capsys):
     args = parser.parse_args(["simulate", str(path), "--capacity", "400", "--recommend", "--quiet"])
     assert run_simulate(args) == 0
     out = capsys.readouterr().out
-    assert "capacity       lru       arc      slru     lfuda   signals   optimum" in out
+    assert "capacity       lru       arc      slru     lfuda   signals   learned   optimum" in out
     assert "recommended eviction policy at 400 blocks:" in out
-    assert "never below lru at 100, 200, 400, 800, 1,600 blocks" in out
+    assert "lru is the honest answer: signals leads by +1.09 points (95% interval" in out
+    assert "over 20 slices of the trace), which reaches zero" in out
+
+
+def per_request_report(leads: list[int]) -> SweepReport:
+    """One capacity; slru serves ``leads[i]`` more blocks than lru on request i."""
+    report = SweepReport({})
+    lru = ReplayResult(1, "lru", "hash", blocks=1000, hit_blocks=100)
+    lru.hits_per_request = [5] * len(leads)
+    slru = ReplayResult(1, "slru", "hash", blocks=1000, hit_blocks=100 + sum(leads))
+    slru.hits_per_request = [5 + lead for lead in leads]
+    report.results += [lru, slru]
+    report.optimum.append(Optimum(1, 900, 0.9, 0.0))
+    return report
+
+
+def test_a_steady_lead_is_recommended_with_its_interval():
+    pick = recommend(per_request_report([1, 1, 2, 2] * 10), 1)
+    assert pick.policy == "slru" and pick.contender is None
+    assert pick.lead.slices == 20 and round(pick.lead.points, 2) == 6.0
+    assert 0 < pick.lead.low < 6.0 < pick.lead.high
+    text = format_recommendation(pick, [1])
+    assert "confidence: lead +6.00 points (95% interval +" in text
+
+
+def test_a_lead_made_of_a_few_lucky_requests_leaves_lru_the_honest_answer():
+    leads = [0] * 39 + [8]  # one slice gains, the others tie
+    pick = recommend(per_request_report(leads), 1)
+    assert (pick.policy, pick.contender) == ("lru", "slru")
+    assert pick.lead.low <= 0 < pick.lead.points
+    text = format_recommendation(pick, [1])
+    assert "lru is the honest answer: slru leads by +0.80 points" in text
+    assert "use it:" not in text

@@ -3,7 +3,9 @@
 Every policy is replayed over a ladder of capacities around the operator's. A policy is
 *safe* if it serves at least as many blocks as LRU at every capacity of the ladder; the
 recommendation is the safe policy with the most hits at the operator's capacity (LRU
-itself when no other policy is safe, or none beats it there).
+itself when no other policy is safe, or none beats it there). Its lead comes with a 95%
+interval over slices of the trace (``confidence``); a lead within the noise leaves LRU as
+the honest answer, and the output says so.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 from dataclasses import dataclass
 
 from prefixcache.cache.policies import POLICY_NAMES
+from prefixcache.sim.confidence import Lead, lead_over
 from prefixcache.sim.replay import largest_request
 from prefixcache.sim.sweep import SweepReport
 from prefixcache.sim.traces import Trace
@@ -38,6 +41,8 @@ class Recommendation:
     worst_at: int
     rates: dict[str, float]  # every policy's block hit rate at ``capacity``
     unsafe: dict[str, int]  # policy -> a capacity where it served fewer blocks than LRU
+    lead: Lead | None = None  # the best safe policy's lead at ``capacity``, with its interval
+    contender: str | None = None  # that policy, when its lead was noise and LRU stays
 
     @property
     def margin(self) -> float:
@@ -63,10 +68,16 @@ def recommend(report: SweepReport, capacity: int, index: str = "hash") -> Recomm
     margins = [(_margin(report, c, best, index), c) for c in capacities]
     worst_margin, worst_at = min(margins)
     optimum = {item.capacity: item.block_hit_rate for item in report.optimum}.get(capacity)
-    return Recommendation(
+    result = report.result
+    lead = lead_over(result(capacity, best, index), result(capacity, REFERENCE, index))
+    pick = Recommendation(
         capacity, best, rates[best], rates[REFERENCE], optimum, worst_margin, worst_at, rates,
-        unsafe,
+        unsafe, lead,
     )  # fmt: skip
+    if best != REFERENCE and lead is not None and not lead.significant:
+        pick.contender, pick.policy, pick.hit_rate = best, REFERENCE, rates[REFERENCE]
+        pick.worst_margin, pick.worst_at = 0.0, capacity
+    return pick
 
 
 def _unsafe(report: SweepReport, capacities: list[int], policies: list[str], index: str) -> dict:
@@ -97,13 +108,20 @@ def format_recommendation(pick: Recommendation, capacities: list[int]) -> str:
         )
     lines.append("  " + lead + ")")
     ladder_text = ", ".join(f"{c:,}" for c in capacities)
-    if pick.policy == REFERENCE:
+    if pick.contender is not None:
+        lines.append(
+            f"  lru is the honest answer: {pick.contender} leads by {_interval(pick.lead)}, "
+            "which reaches zero"
+        )
+    elif pick.policy == REFERENCE:
         lines.append(f"  no other policy beats lru here and stays at or above it at {ladder_text}")
     else:
         lines.append(
             f"  never below lru at {ladder_text} blocks; smallest lead "
             f"{pick.worst_margin:+.2f} points at {pick.worst_at:,}"
         )
+        if pick.lead is not None:
+            lines.append(f"  confidence: lead {_interval(pick.lead)}")
     others = [f"{p} {100 * r:.2f}%" for p, r in pick.rates.items() if p != pick.policy]
     lines.append("  others at this capacity: " + ", ".join(others))
     if pick.unsafe:
@@ -112,6 +130,13 @@ def format_recommendation(pick: Recommendation, capacities: list[int]) -> str:
     if pick.policy != REFERENCE:
         lines.append(f"  use it: prefixcache serve --eviction-policy {pick.policy}")
     return "\n".join(lines)
+
+
+def _interval(lead: Lead) -> str:
+    return (
+        f"{lead.points:+.2f} points (95% interval {lead.low:+.2f} to {lead.high:+.2f} "
+        f"over {lead.slices} slices of the trace)"
+    )
 
 
 def sweep_plan(trace: Trace, args: argparse.Namespace) -> tuple[list[int], list[str]]:

@@ -41,6 +41,7 @@ from prefixcache.cache.policies.base import (
     DOOMED,
     EvictionPolicy,
 )
+from prefixcache.cache.policies.learned import LearnedPolicy
 from prefixcache.cache.policies.lfuda import LFUDAPolicy
 from prefixcache.cache.policies.lru import LRUPolicy
 from prefixcache.cache.policies.per_class import SignalsPolicy
@@ -48,7 +49,7 @@ from prefixcache.cache.policies.signal_policy import SignalPolicy
 from prefixcache.cache.policies.signals import ChainDepths, ChainIndex, Ghosts, ReuseClasses
 from prefixcache.cache.policies.split import ARCPolicy, LRUProtected, SLRUPolicy, SplitPolicy
 
-POLICY_NAMES = ("lru", "arc", "slru", "lfuda", "signals")
+POLICY_NAMES = ("lru", "arc", "slru", "lfuda", "signals", "learned")
 DEFAULT_POLICY = "lru"  # the article's policy: the free queue
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
@@ -57,6 +58,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "slru": SLRUPolicy,
     "lfuda": LFUDAPolicy,
     "signals": SignalsPolicy,
+    "learned": LearnedPolicy,
 }
 
 
@@ -87,6 +89,7 @@ __all__ = [
     "LFUDAPolicy",
     "LRUPolicy",
     "LRUProtected",
+    "LearnedPolicy",
     "ReuseClasses",
     "SLRUPolicy",
     "SignalPolicy",

@@ -105,22 +105,30 @@ class SignalPolicy(EvictionPolicy):
         that late. The ghost lists, a pool each, also tell the subclass where it lost a hit.
         """
         digest = block.digest
-        tag = self.history.pop(digest)
-        if tag is None:
+        remembered = self.history.pop(digest)
+        if remembered is None:
             return False
-        self.classes.note_reuse(tag)
+        self._recalled(remembered)
         for source, ghost in enumerate(self.ghosts):
             if ghost.pop(digest) is not None:
                 self._ghost_hit(source)
                 break
         return True
 
+    def _recalled(self, remembered: int) -> None:
+        """Evicted content is back: a reuse of the class it was released in."""
+        self.classes.note_reuse(remembered)
+
+    def _history_value(self, block: Block) -> int:
+        """What the history remembers of an evicted block: its release's tag."""
+        return self.tag[block.block_id]
+
     def _ghost_hit(self, source: int) -> None:
         """Content evicted from ``source`` was needed again (subclasses adapt here)."""
 
     def pop_victim(self) -> Block:
         """The oldest doomed block, else the subclass's choice; always a leaf."""
-        block = self.doomed.head.next_free if self.doomed.size else self._select()
+        block = self._choose()
         if self.chains is not None:
             block = self.chains.leaf_under(block)
         source = self._source(block)
@@ -129,6 +137,10 @@ class SignalPolicy(EvictionPolicy):
         if self.depths is not None:
             self.depths.forget(block)
         return block
+
+    def _choose(self) -> Block:
+        """The oldest doomed block, else the subclass's choice."""
+        return self.doomed.head.next_free if self.doomed.size else self._select()
 
     def _source(self, block: Block) -> int:
         """The ghost list a block evicted from where it is now joins."""
@@ -140,7 +152,7 @@ class SignalPolicy(EvictionPolicy):
         As in ARC, a part and its ghost list together cover at most one pool, so a ghost hit
         names content that part would have kept had it held the whole pool.
         """
-        self.history.add(block.digest, self.tag[block.block_id])
+        self.history.add(block.digest, self._history_value(block))
         self.tag[block.block_id] = -1
         ghost = self.ghosts[source]
         ghost.capacity = max(1, self.num_blocks - self._part_size(source))
