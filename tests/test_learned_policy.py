@@ -32,8 +32,7 @@ def test_without_evidence_every_class_predicts_alike():
 def test_the_model_rates_a_reused_class_above_a_dead_one():
     model = ReuseModel(100, 2)
     for _ in range(2000):
-        model.note_release(0)
-        model.note_release(1)
+        model.note_releases([0, 1])
         model.note_reuse(0, 50)  # class 0 always comes back after 50 releases; class 1 never
     model.refresh()
     young = age_bin(10)
@@ -43,8 +42,7 @@ def test_the_model_rates_a_reused_class_above_a_dead_one():
 
 def test_the_pooled_curve_never_rises_with_age():
     model = ReuseModel(100, 1)
-    for _ in range(5000):
-        model.note_release(0)
+    model.note_releases([0] * 5000)
     for age in (3, 300, 3000):  # reuses at three ages: the raw curve rises and falls
         for _ in range(500):
             model.note_reuse(0, age)

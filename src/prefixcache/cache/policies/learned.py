@@ -34,25 +34,28 @@ class LearnedPolicy(SignalsPolicy):
 
     def touch(self, blocks: list[Block]) -> None:
         """Hits: a first reuse since release teaches the model its class and age."""
-        reused, tag, guard = self.reused, self.tag, self.guard
+        reused, tag, guard, threshold = self.reused, self.tag, self.guard, self.guard.threshold
+        counts, cls, clock, released_at = self.model.reused, self.cls, self.clock, self.released_at
         for block in blocks:
             block_id = block.block_id
-            if not reused[block_id] and tag[block_id] >= 0:
-                self.model.note_reuse(self.cls[block_id], self.clock - self.released_at[block_id])
-            if guard.sampled(block.digest):
-                guard.reference(block.digest, hit=True)
+            if not reused[block_id] and tag[block_id] >= 0:  # ReuseModel.note_reuse, inlined
+                bits = (clock - released_at[block_id]).bit_length()
+                counts[cls[block_id]][bits if bits < LAST_BIN else LAST_BIN] += 1.0
+            digest = block.digest
+            if digest is not None and digest[0] < threshold:
+                guard.reference(digest, hit=True)
         super().touch(blocks)
 
     def insert(self, blocks: list[Block]) -> None:
         """Releases: content computed anew was a miss (for the guard); count each release."""
-        reused, guard = self.reused, self.guard
+        reused, guard, threshold = self.reused, self.guard, self.guard.threshold
         for block in blocks:
-            if not reused[block.block_id] and guard.sampled(block.digest):
-                guard.reference(block.digest, hit=False)
+            digest = block.digest
+            if digest is not None and digest[0] < threshold and not reused[block.block_id]:
+                guard.reference(digest, hit=False)
         super().insert(blocks)
-        cls, note = self.cls, self.model.note_release
-        for block in blocks:
-            note(cls[block.block_id])
+        cls = self.cls
+        self.model.note_releases([cls[block.block_id] for block in blocks])
 
     def _history_value(self, block: Block) -> int:
         block_id = block.block_id

@@ -36,13 +36,15 @@ class ReuseModel:
         self.reused = [[0.0] * BINS for _ in range(classes)]
         self.half_life = max(self.HALF_LIFE_POOLS * num_blocks, self.MIN_HALF_LIFE)
         self.until_decay = self.half_life
-        self.until_refresh = self.refresh_every = max(256, num_blocks // 4)
+        self.until_refresh = self.refresh_every = max(2048, num_blocks)
         self.prediction = [[1.0] * BINS for _ in range(classes)]  # no evidence: all alike
 
-    def note_release(self, cls: int) -> None:
-        """A block of ``cls`` was released; re-predict and decay on schedule."""
-        self.released[cls] += 1.0
-        self.until_refresh -= 1
+    def note_releases(self, classes: list[int]) -> None:
+        """Blocks of these classes were released; re-predict and decay on schedule."""
+        released = self.released
+        for cls in classes:
+            released[cls] += 1.0
+        self.until_refresh -= len(classes)
         if self.until_refresh <= 0:
             self.until_refresh = self.refresh_every
             self.refresh()
