@@ -9,6 +9,8 @@ Prints, in one run:
    the LRU-to-optimum gap each policy closes at 5,000 blocks and where LRU comes nearest a
    third of the optimum (issue 26's goal capacity);
 2. what each signal buys: ``signals`` (and ``slru``) with one signal taken away;
+   Beside each, the share an LRU that knows which blocks are dead would close
+   (``dead_block_oracle.py``): what is left to a past-only policy;
 3. the allocator benchmark's ratio (``benchmarks/allocator.py``) with each policy, and
    ``learned``'s cost over LRU's (goal <= 2x).
 
@@ -35,6 +37,7 @@ from prefixcache.sim.traces import Trace, load_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allocator  # the allocator benchmark's workload and reference
+from dead_block_oracle import oracle_hit_rate
 
 TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_synthetic_trace.jsonl"
 CAPACITIES = [1000, 2000, 5000, 10000, 15000, 20000]
@@ -60,7 +63,7 @@ def goal_table(name: str, trace: Trace, capacities: list[int]) -> tuple[list[str
     total = sum(len(ids) for ids in references)
     rows = [f"{name}: {len(trace.requests):,} requests, {total:,} block references"]
     rows.append(f"  {'capacity':>8} " + " ".join(f"{p:>8}" for p in POLICY_NAMES) + "  optimum")
-    below, gaps, lru_share = [], {}, {}
+    below, gaps, lru_share, rates_at = [], {}, {}, {}
     for capacity in capacities:
         rates = {p: replay(trace, capacity, p).block_hit_rate for p in POLICY_NAMES}
         optimum = belady_hits(block_references(trace, capacity), capacity) / total
@@ -72,11 +75,16 @@ def goal_table(name: str, trace: Trace, capacities: list[int]) -> tuple[list[str
         rows.append(f"  {capacity:>8} " + " ".join(cells) + f" {100 * optimum:>7.2f}")
         gaps[capacity] = {p: _closed(r, rates["lru"], optimum) for p, r in rates.items()}
         lru_share[capacity] = rates["lru"] / optimum if optimum else 1.0
+        rates_at[capacity] = (rates["lru"], optimum)
     third = min(lru_share, key=lambda c: abs(lru_share[c] - 1 / 3))
     for capacity in dict.fromkeys(c for c in (GOAL_CAPACITY, third) if c in gaps):
         closed = ", ".join(f"{p} {100 * g:.0f}%" for p, g in gaps[capacity].items())
         why = f" (lru at {lru_share[capacity]:.2f} of the optimum)"
         rows.append(f"  gap to the optimum closed at {capacity:,}{why}: {closed}")
+        if trace.kind == "mooncake":
+            lru, optimum = rates_at[capacity]
+            oracle = _closed(oracle_hit_rate(trace, capacity), lru, optimum)
+            rows.append(f"    (LRU that knows which blocks are dead: {100 * oracle:.0f}%)")
     return rows, below
 
 
