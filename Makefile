@@ -21,8 +21,12 @@ serve: $(STAMP)
 cluster: $(STAMP)
 	$(BIN)/prefixcache cluster --replicas 2 --port 8000 --kv-tier redis://embedded
 
+# Two workers, each running whole test files (module-scoped servers start once), the
+# longest files first (SLOW_FILES in tests/conftest.py, hence --no-loadscope-reorder).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop (under 90 s here): cache core, protocol, simulator, tier codec and stores,
 # small-engine tests. `make test` runs everything, these included; CI runs `make test`.

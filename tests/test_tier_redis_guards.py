@@ -11,6 +11,7 @@ plain port). A refused login or certificate is an error counted and a miss, neve
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import subprocess
 import tempfile
@@ -33,7 +34,10 @@ FMT = BlockFormat(hashlib.sha256(b"guards").digest(), "float32", "layer,kv", (4,
 KEY = TierKeys(bytes(range(32))).current.for_salt("tenant-a")
 PREFIX = b"prefixcache:kv:"
 USER = "prefixcache"
-PASSWORD = secrets.token_hex(16)  # a fresh one per run (a failing test's report may show it)
+# A fresh one per run (a failing test's report may show it). Under pytest-xdist every worker
+# collects the tests and the ids hold it, so the workers derive it from the run's shared id.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+PASSWORD = hashlib.sha256(_RUN_ID.encode()).hexdigest()[:32] if _RUN_ID else secrets.token_hex(16)
 ACL_RULES = f"on >{PASSWORD} ~prefixcache:kv:* +exists +get +set +del +eval +pttl +pexpire"
 ACL_ARGS = ("--user", "default", "off", "--user", USER, *ACL_RULES.split())
 CLUSTER_RULES = "+cluster|slots +command"  # redis-py's cluster client asks these on connect
