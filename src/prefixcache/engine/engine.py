@@ -99,11 +99,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model_config = model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(model_config, dtype=config.dtype)
-        self.model.load_weights(loaded.state_dict)
-        self.int4_weights = (
-            self.model.quantize(loaded.quantized) if config.quantized_weights else []
-        )
+        self.model, self.int4_weights = self._model(loaded, config)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
         self.kv_store = KVStore(
@@ -194,6 +190,17 @@ class LLMEngine:
             self.tier.close()
             self.tier = None
             self.scheduler.loader = None
+
+    @staticmethod
+    def _model(loaded: LoadedModel, config: EngineConfig) -> tuple[LlamaModel, list[str]]:
+        """The model to run and the HF names on int4 weights: built here, or already built."""
+        if loaded.model is not None:  # fp32 on int4 kernels (`engine/weight_cache.py`)
+            if config.dtype != torch.float32 or not config.quantized_weights:
+                raise ValueError("a prebuilt model runs fp32 on int4 weights only")
+            return loaded.model, list(loaded.int4_weights)
+        model = LlamaModel(loaded.config, dtype=config.dtype)
+        model.load_weights(loaded.state_dict)
+        return model, model.quantize(loaded.quantized) if config.quantized_weights else []
 
     def _blocks_for_bytes(self, budget: int) -> int:
         """How many KV blocks fit in ``budget`` bytes."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from prefixcache.engine.config import ModelConfig
@@ -34,9 +36,7 @@ class KVStore:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-        self.layers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype) for _ in range(num_layers)
-        ]
+        self.layers: list[torch.Tensor] = [_zeros(shape, dtype) for _ in range(num_layers)]
         self._memo_slots: torch.Tensor | None = None
         self._memo_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -126,3 +126,10 @@ class KVStore:
         ids = torch.tensor(list(block_ids), dtype=torch.long)
         for cache in self.layers:
             cache.index_fill_(0, ids, 0.0)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros from calloc (via numpy): the OS hands out zeroed pages as they are first touched,
+    so a GiB pool costs nothing at start-up (torch.zeros writes every byte now)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

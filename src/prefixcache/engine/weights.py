@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.model import hf_tensor_shapes, short_list, tensor_problems
+from prefixcache.engine.model import LlamaModel, hf_tensor_shapes, short_list, tensor_problems
 from prefixcache.engine.model_files import (
     ModelFileError,
     gguf_metadata,
@@ -57,6 +57,9 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: Path
     quantized: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)  # HF name -> blocks
+    # Built already (`engine/weight_cache.py`): the fp32 model on int4 kernels, its int4 names.
+    model: LlamaModel | None = None
+    int4_weights: list[str] = field(default_factory=list)
 
 
 def load_model(path: str | Path | None = None) -> LoadedModel:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.weights import LoadedModel
     from prefixcache.protocol.auth import Tenants
     from prefixcache.protocol.tenant_secret import TenantSecrets
     from prefixcache.server.events import KVEventPublisher
@@ -93,6 +94,15 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run a GGUF's Q4/Q8_0 weights dequantized to fp32 (exact, slower decode; "
         "default: torch's int4 kernel, bf16 activations at each matmul)",
+    )
+    serve.add_argument(
+        "--weight-cache",
+        metavar="DIR",
+        help="folder of a GGUF's packed int4 weights, built at the first start and read at "
+        "the next (default $PREFIXCACHE_CACHE_DIR or ~/.cache/prefixcache; delete to clear)",
+    )
+    serve.add_argument(
+        "--no-weight-cache", action="store_true", help="build the packed weights at every start"
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -192,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if args.api_key_file
             else Tenants(None, current, previous_secret=previous)
         )
-        loaded = load_model(args.model)
+        loaded = load_model(args.model) if args.dequantize else serving_model(args)
         engine = LLMEngine(
             loaded,
             EngineConfig(
@@ -257,6 +267,14 @@ def run_serve(args: argparse.Namespace) -> int:
         if trace is not None:
             trace.close()
     return 0
+
+
+def serving_model(args: argparse.Namespace) -> LoadedModel:
+    """The model built for int4 kernels, through the weight cache unless it is turned off."""
+    from prefixcache.engine.weight_cache import default_cache_dir, load_serving_model
+
+    folder = None if args.no_weight_cache else Path(args.weight_cache or default_cache_dir())
+    return load_serving_model(args.model, folder)
 
 
 def serve_metrics(metrics: ServerMetrics, port: int) -> WSGIServer:

@@ -80,11 +80,23 @@ class PreparePool:
             return None
 
     def warm(self, ctx: PrepareContext) -> None:
-        """Start the worker processes now (in the background), not at the first large body."""
+        """Start the worker processes now, from a thread, not at the first large body.
+
+        Each start blocks until its child has imported the server (spawn), which took
+        seconds of the server's start-up when done in line.
+        """
         if self._processes:
+            threading.Thread(
+                target=self._warm, args=(ctx,), name="prepare-warm", daemon=True
+            ).start()
+
+    def _warm(self, ctx: PrepareContext) -> None:
+        try:
             pool = self._pool(ctx)
             for _ in range(self._processes):
                 pool.submit(os.getpid)
+        except (RuntimeError, OSError, BrokenProcessPool) as error:  # closed meanwhile
+            log.info("prepare workers not started early: %s", error)
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live worker processes."""
