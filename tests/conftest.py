@@ -27,6 +27,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 # OpenMP threads spinning for their turn make every op several times slower (measured on 2
 # cores beside other jobs: the real-model files 170 s with 2 threads, 49 s with 1).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The servers the tests start keep the default model's built weights in the repo's own
+# .cache (ignored by git), not in the user's home: one build per clone, shared by workers.
+os.environ.setdefault(
+    "PREFIXCACHE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache/weight-cache")
+)
 if "torch" in sys.modules:  # imported before this file: too late for the variable
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
