@@ -220,3 +220,42 @@ def test_the_cluster_passes_format_and_topic_to_every_replica(tmp_path) -> None:
         assert build_parser().parse_args(command[3:]).kv_events_format == "map"
     plan = plan_cluster(build_parser().parse_args(["cluster"]), tmp_path)
     assert "--kv-events-topic" not in plan.replicas[0].command
+
+
+# --- a real `prefixcache serve` ---------------------------------------------------------
+
+
+def test_a_real_server_publishes_the_map_form_under_its_topic_with_tier_media(tmp_path) -> None:
+    """The README's map-form command (tiny model, a disk tier): pool and tier stores arrive."""
+    import httpx
+
+    from router_fixtures import ReplicaProcess, write_tiny_hf_model
+
+    flags = ("--kv-events-format", "map", "--kv-events-topic", LLM_D_TOPIC)
+    tier = ("--kv-tier", f"disk:{tmp_path / 'tier'}")
+    server = ReplicaProcess(write_tiny_hf_model(tmp_path / "tiny"), tmp_path, flags + tier)
+    read_events, got = readme_reader(), []
+    try:
+        health = server.start().wait_ready()["kv_events"]
+        assert (health["topic"], health["format"]) == (LLM_D_TOPIC, "map")
+        endpoint = f"tcp://127.0.0.1:{server.events_port}"
+        reader = threading.Thread(target=lambda: got.extend(read_events(endpoint, b"kv@", 12)))
+        reader.start()
+        for attempt in range(40):  # until the reader has its batches (a SUB joins late)
+            words = " ".join(f"w{attempt}x{i}" for i in range(24))
+            body = {"model": "tiny", "messages": [{"role": "user", "content": words}]}
+            response = httpx.post(
+                f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30
+            )
+            assert response.status_code == 200, response.text
+            reader.join(0.2)
+            if not reader.is_alive():
+                break
+        reader.join(15)
+    finally:
+        server.stop()
+    assert got and {topic for topic, _, _ in got} == {LLM_D_TOPIC}
+    stored = [event for _, _, event in got if event["type"] == "BlockStored"]
+    assert {event["medium"] for event in stored} == {"cpu", "disk"}
+    assert all(event["token_ids"] == [] for event in stored)  # opt-in only
+    assert all(len(h) == 32 for event in stored for h in event["block_hashes"])
