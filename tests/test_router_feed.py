@@ -25,9 +25,9 @@ def make_publisher() -> Iterator[Callable[..., KVEventPublisher]]:
     made: list[KVEventPublisher] = []
 
     def make(
-        endpoint: str = "tcp://127.0.0.1:*", replay: str = "tcp://127.0.0.1:*"
+        endpoint: str = "tcp://127.0.0.1:*", replay: str = "tcp://127.0.0.1:*", **kw: object
     ) -> KVEventPublisher:
-        publisher = KVEventPublisher(endpoint, replay)
+        publisher = KVEventPublisher(endpoint, replay, **kw)  # type: ignore[arg-type]
         made.append(publisher)
         return publisher
 
@@ -90,6 +90,34 @@ def test_a_new_epoch_clears_the_replicas_old_entries(make_publisher) -> None:
         wait_until(lambda: index.overlap(REPLICA, new) == Overlap(2, 0), what="the new epoch")
         assert index.overlap(REPLICA, old) == Overlap(0, 0)
         assert feed.stats.epochs == 1 and feed.topic == second.topic.encode()
+    finally:
+        feed.stop(join_s=2)
+
+
+def test_a_restart_on_a_fixed_topic_clears_the_replicas_old_entries(make_publisher) -> None:
+    """vLLM-style fixed topic, map form: a restart shows only as seq going back to 0."""
+    first = make_publisher(topic="kv@pod-a@tiny", wire_format="map")
+    index = GlobalIndex()
+    feed = EventFeed(REPLICA, endpoints(first), index, None, poll_ms=10).start()
+    old, new = chain("old", 3), chain("new", 2)
+    try:
+        assert feed.synced.wait(5)
+        publish_and_wait(first, BlockStored(old, None))
+        wait_until(lambda: index.overlap(REPLICA, old) == Overlap(3, 0), what="the first run")
+        for i in range(60):  # far ahead, so the restarted run's numbers go back
+            publish_and_wait(first, BlockRemoved(chain("gone", i + 1)[i:]))
+        wait_until(lambda: feed.stats.batches == 61, what="the first run's batches")
+        ports = (first.endpoint, first.replay_endpoint)
+        first.close()
+        second = make_publisher(*ports, topic="kv@pod-a@tiny", wire_format="map")
+        publish_and_wait(second, BlockStored(new, None))
+        for i in range(50):
+            if index.overlap(REPLICA, new) == Overlap(2, 0):
+                break
+            publish_and_wait(second, BlockStored(chain("more", i + 1)[i:], None))
+        wait_until(lambda: index.overlap(REPLICA, new) == Overlap(2, 0), what="the restart")
+        assert index.overlap(REPLICA, old) == Overlap(0, 0)
+        assert feed.stats.epochs == 1 and feed.topic == b"kv@pod-a@tiny"
     finally:
         feed.stop(join_s=2)
 

@@ -11,12 +11,18 @@ with each event an array tagged by its class name, field order as in vLLM::
 
 vLLM encodes these with msgspec ``array_like=True`` structs, where ``omit_defaults`` has no
 effect: every field is written, ``None`` as nil, and a decoder ignores extra trailing
-elements. A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and
-gets every buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end
-marker ``[b"", -1 (signed), b""]``. A start past the last batch gets the marker alone, as
-in vLLM; so does a malformed request (``parse_replay_request``). Topics are
+elements. That is the ``array`` form; the ``map`` form (newer vLLM, TensorRT-LLM: event
+structs without ``array_like``) writes each event as a map tagged by ``"type"`` with the same
+field names, ``{"type": "BlockRemoved", "block_hashes": [...], "medium": "cpu"}``, inside
+the same positional batch. ``decode_batch`` reads both.
+
+A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and gets every
+buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end marker
+``[b"", -1 (signed), b""]``. A start past the last batch gets the marker alone, as in vLLM;
+so does a malformed request (``parse_replay_request``). Topics are
 ``f"{prefix}.{epoch:016x}"``, a random epoch per boot (or per loss of events), so a consumer
-can tell a restarted stream from a gap.
+can tell a restarted stream from a gap; or a fixed topic (``check_topic``), as vLLM has,
+where a restart shows as ``seq`` going back to 0.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 SEQ_BYTES = 8  # a sequence number: unsigned, big-endian
 MAX_REPLAY_FRAME_BYTES = 64  # a replay request's largest frame (its start is 8 bytes)
 REPLAY_PROBLEMS = ("frame_count", "delimiter", "start_size", "start_ahead")  # metric labels
+WIRE_FORMATS = ("array", "map")  # how events are written; the first is the default
+MAX_TOPIC_CHARS = 256
 
 # Field names in wire order, after the tag (vLLM's struct declaration order).
 WIRE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -76,10 +84,31 @@ def _event_to_wire(event: KVEvent) -> list[Any]:
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
-def encode_batch(ts: float, events: Sequence[KVEvent], dp_rank: int | None = None) -> bytes:
+def _event_to_map(event: KVEvent) -> dict[str, Any]:
+    """One event as the map form's tagged map: ``{"type": tag, field: value, ...}``."""
+    wire = _event_to_wire(event)
+    return dict(zip(("type", *WIRE_FIELDS[wire[0]]), wire, strict=True))
+
+
+def encode_batch(
+    ts: float, events: Sequence[KVEvent], dp_rank: int | None = None, wire_format: str = "array"
+) -> bytes:
     """The msgpack payload of one batch: ``[ts, [tagged events...], dp_rank]``."""
-    body = [float(ts), [_event_to_wire(e) for e in events], dp_rank]
+    if wire_format not in WIRE_FORMATS:
+        raise ValueError(f"wire format must be one of {', '.join(WIRE_FORMATS)}")
+    encode = _event_to_wire if wire_format == "array" else _event_to_map
+    body = [float(ts), [encode(e) for e in events], dp_rank]
     return msgpack.packb(body, use_bin_type=True)
+
+
+def check_topic(topic: str) -> str:
+    """A fixed topic as given; ValueError unless 1..MAX_TOPIC_CHARS printable characters."""
+    if not topic or len(topic) > MAX_TOPIC_CHARS or not topic.isprintable():
+        raise ValueError(
+            f"a topic is 1 to {MAX_TOPIC_CHARS} printable characters (got {len(topic)} "
+            f"characters{'' if topic.isprintable() else ', not all printable'})"
+        )
+    return topic
 
 
 def _event_from_wire(item: Any) -> KVEvent | None:

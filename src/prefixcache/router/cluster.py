@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from prefixcache.argtypes import unit_share
+from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.tenant_secret import load_secrets
 
 EMBEDDED_REDIS = "redis://embedded"
@@ -103,6 +104,7 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
         "--retention-budget", type=unit_share, help="each replica's default retention share"
     )
     cluster.add_argument("--threads", type=int, help="per replica (default: cores / replicas)")
+    add_event_format_flags(cluster)
 
 
 def plan_cluster(args: argparse.Namespace, workdir: Path) -> ClusterPlan:
@@ -138,6 +140,7 @@ def _serve_command(
     command = _prefixcache() + ["serve", "--port", str(port), "--tenant-secret-file", secret]
     command += ["--kv-events", f"tcp://127.0.0.1:{events}"]
     command += ["--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--threads", str(threads)]
+    command += event_format_args(args)
     for flag, value in (
         ("--model", args.model),
         ("--kv-tier", f"env:{TIER_ENV}" if tier else None),

@@ -175,8 +175,11 @@ class EventFeed:
         return True
 
     def _note(self, notices: list[EpochChange | BatchesLost]) -> None:
-        """Count what replay could not return (entries may be stale until the next events)."""
+        """Count what replay could not return (entries may be stale until the next events);
+        a restart on a fixed topic (no new epoch suffix) clears the replica here."""
         for notice in notices:
+            if isinstance(notice, EpochChange) and notice.new_topic == self.topic:
+                self._new_epoch(notice.new_topic)  # a fixed topic: seq went back to 0
             if isinstance(notice, BatchesLost):
                 self.stats.lost += notice.last - notice.first + 1
                 log.warning(

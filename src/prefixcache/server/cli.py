@@ -20,6 +20,7 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
+from prefixcache.protocol.event_flags import add_event_format_flags
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
@@ -177,6 +178,7 @@ def _add_event_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--kv-events-allow-remote", action="store_true", help="allow a non-loopback bind"
     )
+    add_event_format_flags(serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -356,7 +358,11 @@ def start_events(args: argparse.Namespace, engine: LLMEngine) -> KVEventPublishe
 
     try:
         publisher = KVEventPublisher(
-            args.kv_events, args.kv_events_replay, allow_remote=args.kv_events_allow_remote
+            args.kv_events,
+            args.kv_events_replay,
+            topic=args.kv_events_topic,
+            wire_format=args.kv_events_format,
+            allow_remote=args.kv_events_allow_remote,
         )
     except zmq.ZMQError as error:  # a port in use, a malformed endpoint
         raise ValueError(f"--kv-events {args.kv_events}: {error}") from None

@@ -21,7 +21,7 @@ from collections import deque
 import zmq
 
 from prefixcache.cache.events import BlockStored, EventSink, KVEvent
-from prefixcache.protocol.kv_events import encode_batch
+from prefixcache.protocol.kv_events import check_topic, encode_batch
 from prefixcache.server.event_health import EventsCollector, EventsHealth
 from prefixcache.server.event_replay import ReplayServer
 from prefixcache.server.event_sockets import (
@@ -65,6 +65,8 @@ class KVEventPublisher:
         replay_endpoint: str | None = None,
         *,
         topic_prefix: str = "kv-events",
+        topic: str | None = None,
+        wire_format: str = "array",
         buffer_batches: int = 10_000,
         max_batch_events: int = 1024,
         flush_interval_s: float = 0.005,
@@ -76,7 +78,10 @@ class KVEventPublisher:
             if ep is not None:
                 check_bind_allowed(ep, allow_remote)
         assert buffer_batches > 0 and max_batch_events > 0 and flush_interval_s > 0
+        encode_batch(0.0, [], wire_format=wire_format)  # an unknown format fails here
         self._topic_prefix = topic_prefix
+        self._fixed_topic = None if topic is None else check_topic(topic)
+        self.wire_format = wire_format
         self._max_batch_events = max_batch_events
         self._max_queue_events = max_queue_events
         self._tick_ms = max(1, round(flush_interval_s * 1000))
@@ -118,9 +123,9 @@ class KVEventPublisher:
         )
 
     def _start_epoch(self) -> None:
-        """A new random topic whose batches count from 0, and an empty replay buffer."""
+        """A new random topic (or the fixed one) counting from 0, and an empty replay buffer."""
         self.epoch = secrets.randbits(64)
-        self.topic = f"{self._topic_prefix}.{self.epoch:016x}"
+        self.topic = self._fixed_topic or f"{self._topic_prefix}.{self.epoch:016x}"
         self._topic_bytes = self.topic.encode()
         self._next_seq = 0
         self._buffer.clear()
@@ -176,6 +181,7 @@ class KVEventPublisher:
             "endpoint": self.endpoint,
             "replay": self.replay_endpoint,
             "topic": self.topic,
+            "format": self.wire_format,
             "status": "ok" if self.up else "down",
             "failures": sum(self.health_state.failures.values()),
         }
@@ -275,7 +281,7 @@ class KVEventPublisher:
     def _send_batch(self, events: list[KVEvent]) -> None:
         """Encode, number, send and buffer one batch (a new epoch first if events were lost)."""
         try:
-            payload = encode_batch(time.time(), events, self._dp_rank)
+            payload = encode_batch(time.time(), events, self._dp_rank, self.wire_format)
         except (TypeError, ValueError) as exc:  # never log the events: they may hold tokens
             log.error(
                 "dropping %d KV events that failed to encode (%s)", len(events), _describe(exc)
