@@ -4,6 +4,7 @@ trusted when the file is damaged or belongs to another model (engine/weight_cach
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -12,27 +13,16 @@ import torch
 
 from engine_fixtures import run_to_completion
 from prefixcache.engine import weight_cache
-from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.model_files import default_model_path
 from prefixcache.engine.packed import packed_tensors
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.weight_cache import EVENTS, build, cache_key, load_serving_model
 from prefixcache.engine.weights import LoadedModel, load_model
+from test_weights import TINY as WEIGHTS_TINY
 from test_weights import add_tiny_metadata, gguf_tensors, tiny_state
 
-TINY = ModelConfig(
-    vocab_size=258,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=20000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=128,
-)
+TINY = replace(WEIGHTS_TINY, intermediate_size=64)  # Q4 blocks want 32-multiples
 PROMPT = "the thin hen sat on the mat"
 
 
