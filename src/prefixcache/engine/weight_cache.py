@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import struct
@@ -122,8 +123,9 @@ def _hasher() -> tuple[str, Any]:
 def write_file(file: Path, key: str, loaded: LoadedModel) -> None:
     """Store ``loaded``'s built model under ``file``, atomically."""
     assert loaded.model is not None
-    tensors = {k: v.contiguous().reshape(-1).view(torch.uint8) for k, v in _tensors(loaded)}
-    header = _header(key, loaded, tensors)
+    named = sorted(packed_tensors(loaded.model).items())
+    tensors = {k: v.contiguous().reshape(-1).view(torch.uint8) for k, v in named}
+    header = _header(key, loaded, named, tensors)
     file.parent.mkdir(parents=True, exist_ok=True)
     temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
@@ -136,15 +138,15 @@ def write_file(file: Path, key: str, loaded: LoadedModel) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def _tensors(loaded: LoadedModel) -> list[tuple[str, torch.Tensor]]:
-    assert loaded.model is not None
-    return sorted(packed_tensors(loaded.model).items())
-
-
-def _header(key: str, loaded: LoadedModel, raw: dict[str, torch.Tensor]) -> bytes:
+def _header(
+    key: str,
+    loaded: LoadedModel,
+    named: list[tuple[str, torch.Tensor]],
+    raw: dict[str, torch.Tensor],
+) -> bytes:
     """The JSON header: key, config, tokenizer, int4 names, and each tensor's place."""
     shapes, offset = {}, 0
-    for name, tensor in _tensors(loaded):
+    for name, tensor in named:
         dtype = str(tensor.dtype).removeprefix("torch.")
         shapes[name] = [dtype, list(tensor.shape), offset, raw[name].numel()]
         offset += _aligned(raw[name].numel())
@@ -253,9 +255,7 @@ def _views(
     for name, (dtype_name, shape, offset, nbytes) in places.items():
         dtype = _DTYPES[dtype_name]
         count = nbytes // dtype.itemsize
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
+        numel = math.prod(int(dim) for dim in shape)
         if numel != count or nbytes % dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
             raise CacheFileError(f"tensor {name} does not fit its place")
         if count == 0:
