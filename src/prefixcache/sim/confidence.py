@@ -37,8 +37,8 @@ def lead_over(ours: ReplayResult, lru: ReplayResult) -> Lead | None:
     mine, theirs = ours.hits_per_request, lru.hits_per_request
     if not mine or len(mine) != len(theirs) or not ours.blocks:
         return None
-    slices = max(s for s in (5, 10, SLICES) if s <= len(mine)) if len(mine) >= 5 else 0
-    if not slices:
+    slices = next((count for count in (SLICES, 10, 5) if count <= len(mine)), None)
+    if slices is None:
         return None
     per_slice = [0.0] * slices
     for number, (a, b) in enumerate(zip(mine, theirs, strict=True)):

@@ -16,7 +16,7 @@ from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import require
 from prefixcache.cache.policies.lru_guard import LRUGuard
 from prefixcache.cache.policies.per_class import SignalsPolicy
-from prefixcache.cache.policies.reuse_model import BINS, LAST_BIN, ReuseModel
+from prefixcache.cache.policies.reuse_model import BINS, LAST_BIN, ReuseModel, age_bin
 
 CLOCK_SHIFT = 24  # a history value: release clock above, the release's tag below
 
@@ -42,7 +42,7 @@ class LearnedPolicy(SignalsPolicy):
                 bits = (clock - released_at[block_id]).bit_length()
                 counts[cls[block_id]][bits if bits < LAST_BIN else LAST_BIN] += 1.0
             digest = block.digest
-            if digest is not None and digest[0] < threshold:
+            if digest is not None and digest[0] < threshold:  # LRUGuard.sampled, inlined
                 guard.reference(digest, hit=True)
         super().touch(blocks)
 
@@ -52,7 +52,7 @@ class LearnedPolicy(SignalsPolicy):
         for block in blocks:
             digest = block.digest
             if digest is not None and digest[0] < threshold and not reused[block.block_id]:
-                guard.reference(digest, hit=False)
+                guard.reference(digest, hit=False)  # sampled (inlined, as in touch)
         super().insert(blocks)
         cls = self.cls
         self.model.note_releases([cls[block.block_id] for block in blocks])
@@ -89,8 +89,7 @@ class LearnedPolicy(SignalsPolicy):
             if queue.size:
                 head = queue.head.next_free
                 age = clock - released_at[head.block_id]
-                bits = age.bit_length()
-                chance = prediction[cls][bits if bits < LAST_BIN else LAST_BIN]
+                chance = prediction[cls][age_bin(age)]
                 if age > oldest_age:
                     oldest, oldest_age, chance_of_oldest = head, age, chance
                 if chance < lowest:

@@ -91,7 +91,3 @@ class ReuseModel:
             if exposed[b] > 0:
                 chances[b] = (before[end + 1] - before[b]) / exposed[b]
         return chances, exposed
-
-    def evidence(self) -> float:
-        """Releases counted so far (decayed): how much the predictions rest on."""
-        return sum(self.released)
