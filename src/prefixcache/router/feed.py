@@ -114,9 +114,10 @@ class EventFeed:
                 self._initial_replay()
                 self.synced.set()
                 while not self._stop.is_set():
-                    for topic, seq, events in sub.poll(self._poll_ms):
+                    batches = sub.poll(self._poll_ms)
+                    self._note(sub.take_notices())  # a restart clears before its batches
+                    for topic, seq, events in batches:
                         self._apply(topic, seq, events)
-                    self._note(sub.take_notices())
         except Exception:  # a feed must never take the router down; the replica resyncs later
             log.exception("KV event feed of %s failed", self.replica)
         finally:

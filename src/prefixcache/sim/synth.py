@@ -274,9 +274,11 @@ def to_mooncake_requests(requests: list[SynthRequest]) -> list[MooncakeRequest]:
         for piece in _block_pieces(request.segments, MOONCAKE_BLOCK_TOKENS):
             parent = ids.setdefault((parent, piece), len(ids))
             chain.append(parent)
-        row = MooncakeRequest(request.timestamp_ms, length, request.output[1], chain)
-        row.session = _session(request)
-        rows.append(row)
+        rows.append(
+            MooncakeRequest(
+                request.timestamp_ms, length, request.output[1], chain, session=_session(request)
+            )
+        )
     return rows
 
 
