@@ -13,7 +13,12 @@ from pydantic import ConfigDict, Field, field_validator
 
 from prefixcache.protocol.limits import MAX_MESSAGES, MAX_NAME_CHARS
 from prefixcache.protocol.sampling_limits import MAX_TEMPERATURE, MIN_TOP_P
-from prefixcache.protocol.schemas import NullMeansDefault, PromptCacheFields, Temperature
+from prefixcache.protocol.schemas import (
+    NullMeansDefault,
+    PromptCacheFields,
+    Temperature,
+    refused_extra,
+)
 from prefixcache.protocol.tool_schemas import MAX_TOOLS, ResponsesTool
 
 INPUT_SCHEMA = {
@@ -56,10 +61,10 @@ class ResponsesRequest(NullMeansDefault, PromptCacheFields):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """The first field set to something this server does not do, and why."""
+        refused = refused_extra(self, UNSUPPORTED)
+        if refused is not None:
+            return refused
         extra = self.model_extra or {}
-        name = next((name for name in UNSUPPORTED if extra.get(name)), None)
-        if name is not None:
-            return name, f"{name} is not supported by this server"
         kind = ((extra.get("text") or {}).get("format") or {}).get("type", "text")
         if kind != "text":
             return "text", f"text.format type {kind!r} is not supported (only 'text')"

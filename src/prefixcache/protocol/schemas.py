@@ -43,6 +43,15 @@ from prefixcache.protocol.sampling_limits import (
 from prefixcache.protocol.tool_schemas import MAX_TOOLS, AssistantToolCall, ChatTool
 
 UNSUPPORTED = ("functions", "suffix")  # rejected when set to anything but empty
+
+
+def refused_extra(request: BaseModel, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first of ``names`` a request sets (an extra field, non-empty), and the refusal."""
+    extra = request.model_extra or {}
+    name = next((name for name in names if extra.get(name)), None)
+    return None if name is None else (name, f"{name} is not supported by this server")
+
+
 TokenIds = list[int]
 TEXT_PART = {
     "type": "object",
@@ -220,10 +229,9 @@ class SamplingFields(NullMeansDefault, PromptCacheFields):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """The first field set to something this server does not do, and why."""
-        extra = self.model_extra or {}
-        name = next((name for name in UNSUPPORTED if extra.get(name)), None)
-        if name is not None:
-            return name, f"{name} is not supported by this server"
+        refused = refused_extra(self, UNSUPPORTED)
+        if refused is not None:
+            return refused
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of must equal n ({self.n}): only best_of == n is supported"
         return None
