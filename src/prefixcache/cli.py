@@ -17,6 +17,7 @@ from prefixcache.server.cli import add_serve_parser, run_serve
 COMMANDS = {
     "route": ("prefixcache.router.cli", "add_route_parser", "run_route"),
     "cluster": ("prefixcache.router.cluster", "add_cluster_parser", "run_cluster"),
+    "ray": ("prefixcache.on_ray.cli", "add_ray_parser", "run_ray"),
     "simulate": ("prefixcache.sim.cli", "add_simulate_parser", "run_simulate"),
     "synth-trace": ("prefixcache.sim.synth_cli", "add_synth_parser", "run_synth"),
     "explain": ("prefixcache.tools.explain", "add_explain_parser", "run_explain"),

@@ -59,6 +59,7 @@ def uvicorn_config(
         http=guarded_protocol(read_timeout),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+        loop="asyncio",  # the same loop whether or not uvloop came with an extra (Ray's)
         **options,
     )
 

@@ -33,6 +33,7 @@ from prefixcache.router.affinity import DEFAULT_MAX_KEYS, KeyAffinity
 from prefixcache.router.feed import FeedStats
 from prefixcache.router.forward import Forwarder
 from prefixcache.router.index import GlobalIndex
+from prefixcache.router.membership import MembershipFile
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import RoutingPolicy, make_policy
 from prefixcache.router.replicas import (
@@ -63,6 +64,7 @@ class RouterConfig:
     limits: Limits = field(default_factory=Limits)  # the front's, as on a replica
     max_pending: int = DEFAULT_MAX_PENDING
     affinity_keys: int = DEFAULT_MAX_KEYS  # prompt_cache_keys remembered; 0: no key affinity
+    replicas_file: str | None = None  # a list another process rewrites (prefixcache ray)
 
 
 @dataclass(slots=True)
@@ -94,6 +96,7 @@ class RouterState:
             health_timeout_s=config.health_timeout_s,
             use_events=config.use_events,
             metrics_headers=config.tenants.admin_headers(),
+            membership=MembershipFile(config.replicas_file) if config.replicas_file else None,
         )
         metrics = RouterMetrics(fleet)
         affinity = None

@@ -30,9 +30,14 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
     route.add_argument(
         "--replica",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
         help="a replica's base URL (repeat)",
+    )
+    route.add_argument(
+        "--replicas-file",
+        metavar="PATH",
+        help="a JSON replica list re-read when it changes (docs/ray.md; prefixcache ray writes it)",
     )
     route.add_argument("--host", default="127.0.0.1")
     route.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -102,6 +107,8 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
     weights = CacheAwareWeights(
         args.tier_weight, args.load_weight, args.balance_abs_threshold, args.balance_rel_threshold
     )
+    if not args.replica and not args.replicas_file:
+        raise ValueError("give at least one --replica URL or a --replicas-file")
     policy = make_policy(args.policy, weights, args.prefix_blocks)
     tokenizer = None
     if policy.uses_digests:
@@ -118,6 +125,7 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
         limits=limits_from(args),
         max_pending=args.max_pending,
         affinity_keys=args.affinity_keys,
+        replicas_file=args.replicas_file,
     )
 
 
@@ -136,8 +144,11 @@ def run_route(args: argparse.Namespace) -> int:
         print(f"prefixcache route: {error}", file=sys.stderr)
         return 2
     print(
-        f"prefixcache routing on http://{args.host}:{args.port} over {len(config.replicas)} "
-        f"replicas, policy {config.policy.name}",
+        f"prefixcache routing on http://{args.host}:{args.port} over "
+        + (f"the replicas in {args.replicas_file}" if args.replicas_file else "")
+        + (" and " if args.replicas_file and config.replicas else "")
+        + (f"{len(config.replicas)} replicas" if config.replicas else "")
+        + f", policy {config.policy.name}",
         flush=True,
     )
     if config.policy.uses_digests and not args.tenant_secret_file:

@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from prefixcache.protocol.errors import ANTHROPIC_PATHS, ApiError, error_body
 from prefixcache.router.metrics import RouterMetrics
-from prefixcache.router.replicas import Fleet, describe
+from prefixcache.router.replicas import Fleet, Replica, describe
 from prefixcache.router.routing import Router, Ticket
 
 log = logging.getLogger("prefixcache.router")
@@ -97,11 +97,13 @@ def forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
-def response_headers(upstream: httpx.Response, url: str, decoded: bool) -> dict[str, str]:
-    """The replica's headers for the client (our server adds its own date), plus its URL."""
+def response_headers(upstream: httpx.Response, replica: Replica, decoded: bool) -> dict[str, str]:
+    """The replica's headers for the client (our server adds its own date), plus its URL and
+    the headers its replicas-file entry gives (``x-prefixcache-node`` under Ray)."""
     drop = HOP_BY_HOP | {"date", "server"} | ({"content-encoding"} if decoded else frozenset())
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in drop}
-    headers[REPLICA_HEADER] = url
+    headers.update(replica.headers)
+    headers[REPLICA_HEADER] = replica.url
     return headers
 
 
@@ -185,7 +187,7 @@ class Forwarder:
             return Retry("HTTP 429")
         if sent.stream and upstream.status_code == 200:
             relay = self._relay(ticket, upstream, route, sent.path)
-            headers = response_headers(upstream, ticket.url, decoded=False)
+            headers = response_headers(upstream, ticket.replica, decoded=False)
             return StreamingResponse(relay, status_code=200, headers=headers)
         return await self._whole(ticket, upstream, request, route)
 
@@ -205,7 +207,7 @@ class Forwarder:
         self._record(ticket, route, str(status) if content is not None else "disconnected")
         if content is None:
             return Response(status_code=499)
-        headers = response_headers(upstream, ticket.url, decoded=True)
+        headers = response_headers(upstream, ticket.replica, decoded=True)
         return Response(content, status_code=status, headers=headers)
 
     async def _read_unless_gone(self, upstream: httpx.Response, request: Request) -> bytes | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -24,6 +24,7 @@ import httpx
 from prefixcache.protocol.response_ids import is_instance
 from prefixcache.router.feed import EventEndpoints, EventFeed
 from prefixcache.router.index import GlobalIndex
+from prefixcache.router.membership import Member, MembershipFile
 
 log = logging.getLogger("prefixcache.router")
 
@@ -123,6 +124,7 @@ class Replica:
     last_error: str | None = None
     load_error: str | None = "not read yet"  # why its /metrics could not be read, last time
     feed: EventFeed | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # added to its responses
 
     @property
     def load(self) -> float:
@@ -142,8 +144,10 @@ class Fleet:
         health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
         use_events: bool = True,
         metrics_headers: dict[str, str] | None = None,
+        membership: MembershipFile | None = None,
     ) -> None:
         self.replicas = {url: Replica(url) for url in dict.fromkeys(u.rstrip("/") for u in urls)}
+        self.membership = membership  # a file whose list replaces ``urls`` when it changes
         self.index, self.client = index, client
         self.health_timeout_s = health_timeout_s
         self.use_events = use_events
@@ -171,12 +175,26 @@ class Fleet:
             return f"no replica is ready yet ({counts}; replicas are loading the model)"
         return f"no replica is healthy ({counts}; they stopped answering health checks)"
 
+    def apply_members(self, members: list[Member]) -> None:
+        """The replica set becomes ``members``: new ones join at their next check, those
+        gone leave the rotation now (a request already on one finishes or fails alone)."""
+        wanted = {m.url: m for m in members}
+        for url in [url for url in self.replicas if url not in wanted]:
+            self._drop(self.replicas.pop(url))
+            log.info("replica %s left the replica list", url)
+        for url, member in wanted.items():
+            replica = self.replicas.setdefault(url, Replica(url))
+            replica.headers = member.headers
+
     async def check_all(self) -> None:
         """Every replica's health fetched concurrently, applied in configured order.
 
         The order makes the first configured replica that answers the one whose namespace
-        the cluster adopts, whichever answered first.
+        the cluster adopts, whichever answered first. A changed replicas file is read first.
         """
+        members = self.membership.read_if_changed() if self.membership else None
+        if members is not None:
+            self.apply_members(members)
         replicas = list(self.replicas.values())
         probes = await asyncio.gather(*(self._probe(r) for r in replicas))
         for replica, probe in zip(replicas, probes, strict=True):

@@ -1,0 +1,238 @@
+"""``prefixcache ray``: deploy the engine on a Ray cluster (or a local one) behind our router.
+
+Ray places the replicas (``--replica-cpus`` each, ``--max-replicas-per-node``), restarts
+those that die and scales between ``--min-replicas`` and ``--max-replicas``. The router
+listens on ``--port`` on the head node (``--routing ray``: Ray's own proxy and request
+router do instead, for comparison). The tenant secret, key file and tier spec reach the
+replicas through Ray, never through a command line. Ctrl-C deletes the application.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from prefixcache.argtypes import positive_int, unit_share
+from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
+from prefixcache.router.cluster import EMBEDDED_REDIS, Child, _redis_command, free_port
+
+ROUTINGS = ("prefixcache", "ray")
+READY_TIMEOUT_S = 600.0
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray on 127.0.0.1 only
+
+
+def add_ray_parser(commands: argparse._SubParsersAction) -> None:
+    """The ``ray`` subcommand and its options."""
+    parser = commands.add_parser("ray", help="replicas on a Ray cluster, behind our router")
+    parser.add_argument("--address", help="a running Ray cluster (default: start a local one)")
+    parser.add_argument("--replicas", type=positive_int, default=2, help="(initial) replicas")
+    parser.add_argument("--port", type=int, default=8000, help="the ingress's port")
+    parser.add_argument("--host", default="127.0.0.1", help="the ingress's address")
+    parser.add_argument("--routing", choices=ROUTINGS, default=ROUTINGS[0])
+    parser.add_argument("--policy", default="cache-aware", help="the router's policy")
+    parser.add_argument("--model", help="GGUF file or HF folder, the same path on every node")
+    parser.add_argument("--kv-tier", metavar="SPEC", help=f"redis://... or {EMBEDDED_REDIS}")
+    parser.add_argument("--api-key-file")
+    parser.add_argument("--tenant-secret-file", help="default: a new one for this run")
+    parser.add_argument("--kv-cache-bytes", type=int, help="each replica's KV pool")
+    parser.add_argument("--retention-budget", type=unit_share)
+    parser.add_argument("--fair-cache", action="store_true", help="tenant-fair eviction")
+    parser.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    parser.add_argument("--threads", type=positive_int, help="torch threads per replica")
+    parser.add_argument("--max-replicas-per-node", type=positive_int)
+    parser.add_argument("--min-replicas", type=int, help="autoscaling's floor (with --max)")
+    parser.add_argument("--max-replicas", type=positive_int, help="autoscale up to this many")
+    parser.add_argument("--target-ongoing-requests", type=float, default=2.0)
+    parser.add_argument("--local-cpus", type=positive_int, help="a local cluster's CPUs")
+    add_event_format_flags(parser)
+
+
+def problem_with(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, before anything starts."""
+    if args.kv_tier and args.kv_tier.startswith("disk:"):
+        return "--kv-tier disk: is one folder per process; replicas under Ray share redis://"
+    if args.max_replicas is None and args.min_replicas is not None:
+        return "--min-replicas needs --max-replicas (autoscaling)"
+    if args.max_replicas is not None:
+        low = args.min_replicas if args.min_replicas is not None else 1
+        if not 0 <= low <= args.replicas <= args.max_replicas:
+            return "need 0 <= --min-replicas <= --replicas <= --max-replicas"
+    if args.replica_cpus <= 0:
+        return "--replica-cpus must be > 0"
+    return None
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    """Check, connect, deploy, wait for Ctrl-C, delete."""
+    problem = problem_with(args)
+    if problem is None:
+        problem = _secrets_problem(args)
+    if problem is not None:
+        print(f"prefixcache ray: {problem}", file=sys.stderr)
+        return 2
+    if not args.address:
+        os.environ.setdefault(LOOPBACK_ENV, "0")  # read when ray is imported
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print(
+            "prefixcache ray: Ray is not installed: pip install 'prefixcache[ray]'", file=sys.stderr
+        )
+        return 2
+    with tempfile.TemporaryDirectory(prefix="prefixcache-ray-") as folder:
+        return _deploy_and_wait(args, Path(folder))
+
+
+def _secrets_problem(args: argparse.Namespace) -> str | None:
+    from prefixcache.protocol.auth import Tenants
+    from prefixcache.protocol.tenant_secret import load_secrets
+
+    try:
+        if args.tenant_secret_file:
+            load_secrets(args.tenant_secret_file)
+        if args.api_key_file:
+            Tenants.from_file(args.api_key_file)
+    except (ValueError, OSError) as error:
+        return str(error)
+    return None
+
+
+def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
+    import ray
+    from ray import serve
+
+    from prefixcache.on_ray.app import build_app
+    from prefixcache.on_ray.specs import APP_NAME
+
+    redis, tier = _tier(args, folder)
+    stopping: list[bool] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        if args.address:
+            ray.init(address=args.address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=args.local_cpus, include_dashboard=False, log_to_driver=False)
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # after Ray's own
+        proxy = "HeadOnly" if args.routing == "ray" else "Disabled"
+        serve.start(proxy_location=proxy, http_options={"host": args.host, "port": args.port})
+        engine, ingress, scaling = _specs(args, folder, tier)
+        print(_plan_line(args, scaling), flush=True)
+        route_prefix = "/" if args.routing == "ray" else None
+        serve.run(build_app(engine, ingress, scaling), name=APP_NAME, route_prefix=route_prefix)
+        print(_ready_line(args), flush=True)
+        while not stopping:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _tear_down(args, redis)
+    return 0
+
+
+def _tier(args: argparse.Namespace, folder: Path) -> tuple[Child | None, str | None]:
+    """The tier spec the replicas get; an embedded redis-server started for it if asked."""
+    if args.kv_tier != EMBEDDED_REDIS:
+        return None, args.kv_tier
+    port = free_port()
+    redis = Child("redis", _redis_command(port, folder))
+    redis.start()
+    return redis, f"redis://127.0.0.1:{port}/0"
+
+
+def _specs(args: argparse.Namespace, folder: Path, tier: str | None):
+    """What each deployment is given (secrets as contents, read once here)."""
+    from prefixcache.on_ray.app import Scaling
+    from prefixcache.on_ray.specs import INGRESS, EngineSpec, IngressSpec
+    from prefixcache.protocol.tenant_secret import load_or_create_secret
+
+    secret_file = Path(args.tenant_secret_file or folder / "tenant-secret")
+    load_or_create_secret(secret_file)
+    secret = secret_file.read_bytes()
+    keys = Path(args.api_key_file).read_bytes() if args.api_key_file else None
+    threads = args.threads or max(1, int(args.replica_cpus))
+    routed = args.routing == "prefixcache"
+    engine = EngineSpec(
+        _serve_flags(args), secret, keys, tier, threads, INGRESS if routed else None
+    )
+    route_flags = ["--policy", args.policy] + (["--model", args.model] if args.model else [])
+    ingress = (
+        IngressSpec(args.host, args.port, tuple(route_flags), secret, keys) if routed else None
+    )
+    scaling = Scaling(
+        args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
+        args.replica_cpus, args.max_replicas_per_node,
+    )  # fmt: skip
+    return engine, ingress, scaling
+
+
+def _serve_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    flags = event_format_args(args)
+    for flag, value in (
+        ("--model", args.model),
+        ("--kv-cache-bytes", args.kv_cache_bytes),
+        ("--retention-budget", args.retention_budget),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    if args.fair_cache:
+        flags.append("--fair-cache")
+    return tuple(flags)
+
+
+def _plan_line(args: argparse.Namespace, scaling) -> str:
+    count = (
+        f"{args.replicas} replicas"
+        if scaling.maximum is None
+        else f"{args.replicas} replicas (autoscaling {scaling.minimum or 1}-{scaling.maximum})"
+    )
+    front = "our router" if args.routing == "prefixcache" else "Ray's proxy and router"
+    return (
+        f"prefixcache ray: deploying {count} of {scaling.cpus:g} CPU each behind {front} "
+        f"on http://{args.host}:{args.port}; waiting for them to load the model..."
+    )
+
+
+def _ready_line(args: argparse.Namespace) -> str:
+    """Once every replica is up (and, behind our router, registered)."""
+    from ray import serve
+
+    from prefixcache.on_ray.specs import APP_NAME
+
+    if args.routing == "ray":
+        return f"prefixcache ray: ready at http://{args.host}:{args.port} (Ray's routing)"
+    handle = serve.get_app_handle(APP_NAME)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    members = handle.replicas.remote().result()
+    while len(members) < args.replicas and time.monotonic() < deadline:
+        time.sleep(0.5)
+        members = handle.replicas.remote().result()
+    nodes = len({member["node"] for member in members})
+    return (
+        f"prefixcache ray: ready: {len(members)} replicas on {nodes} nodes at "
+        f"http://{args.host}:{args.port}"
+    )
+
+
+def _tear_down(args: argparse.Namespace, redis: Child | None) -> None:
+    """Delete the application (its replicas stop their servers), then disconnect."""
+    import ray
+    from ray import serve
+
+    from prefixcache.on_ray.specs import APP_NAME
+
+    if ray.is_initialized():
+        try:
+            serve.delete(APP_NAME)
+            if not args.address:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    if redis is not None:
+        redis.stop()
+    print("prefixcache ray: stopped", flush=True)

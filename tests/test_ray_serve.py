@@ -1,0 +1,218 @@
+"""`prefixcache ray` on a two-node Ray cluster on loopback, as a user runs it.
+
+Ray's own ``Cluster`` utility starts two nodes of one CPU each, every service on
+127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before Ray is imported keeps a local
+cluster off the host's address). The tests share one deployment and run in file order:
+placement, routing, a SIGKILLed replica, its successor warm from the tier, 503 while no
+replica is up, and a shutdown that leaves no process of ours.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import openai
+import psutil
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from router_fixtures import write_tiny_hf_model
+from server_fixtures import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-hf"
+BLOCK = 16
+DOCUMENT = "Pier four's ferry leaves at noon; the cafe on board sells tea and toast. " * 12
+APP = "prefixcache"
+
+
+@dataclass
+class Deployed:
+    process: subprocess.Popen
+    url: str
+    lines: list[str]
+    cluster: Cluster
+    first: set[str]  # the replica ids Ray started first
+
+    def members(self) -> list[dict]:
+        """The replicas the ingress routes over now (asked through Ray, as a driver)."""
+        return serve.get_app_handle(APP).replicas.remote().result(timeout_s=30)
+
+
+def wait_for(predicate, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def read_lines(process: subprocess.Popen) -> list[str]:
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    cluster.add_node(num_cpus=1)
+    model = write_tiny_hf_model(tmp_path_factory.mktemp("ray") / MODEL)
+    port = free_port()
+    command = [sys.executable, "-m", "prefixcache.cli", "ray", "--address", cluster.address]
+    command += ["--replicas", "2", "--port", str(port), "--model", str(model)]
+    command += ["--kv-tier", "redis://embedded", "--kv-cache-bytes", str(2**22)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = read_lines(process)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: any("prefixcache ray: ready" in line for line in lines), "the deployment")
+        ray.init(address=cluster.address, log_to_driver=False)
+        found = Deployed(process, url, lines, cluster, set())
+        found.first = {member["replica"] for member in found.members()}
+        yield found
+    finally:
+        if process.poll() is None:
+            process.kill()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def ask(url: str, question: str, stream: bool = False):
+    """A completion of the document and a question: (its headers, its usage)."""
+    prompt = DOCUMENT + question
+    if stream:
+        with client(url).completions.with_streaming_response.create(
+            model=MODEL, prompt=prompt, max_tokens=3, stream=True,
+            stream_options={"include_usage": True},
+        ) as response:  # fmt: skip
+            chunks = list(response.parse())
+            return response.headers, chunks[-1].usage
+    raw = client(url).completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=3)
+    return raw.headers, raw.parse().usage
+
+
+def tier_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "prefixcache_cached_tokens_total"
+                and sample.labels["source"] == "tier"
+            ):
+                return sample.value
+    raise AssertionError("no tier counter in /metrics")
+
+
+def full_blocks(usage) -> int:
+    return usage.prompt_tokens // BLOCK * BLOCK
+
+
+def test_replicas_land_on_both_nodes_and_say_so_in_their_headers(deployed):
+    members = deployed.members()
+    nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert len(members) == 2 and {m["node"] for m in members} == nodes
+    assert any("ready: 2 replicas on 2 nodes" in line for line in deployed.lines)
+    headers, _ = ask(deployed.url, "Who runs the cafe?")
+    by_url = {m["url"]: m for m in members}
+    member = by_url[headers["x-prefixcache-replica"]]
+    assert headers["x-prefixcache-node"] == member["node"]
+    assert headers["x-prefixcache-ray-replica"] == member["replica"]
+
+
+def test_a_documents_requests_go_to_the_replica_that_holds_it(deployed):
+    first, _ = ask(deployed.url, "When does it leave?")
+    holder = first["x-prefixcache-replica"]
+    for number, stream in enumerate((False, True, False)):
+        headers, usage = ask(deployed.url, f"Question {number}: is there tea?", stream)
+        assert headers["x-prefixcache-replica"] == holder
+        assert usage.prompt_tokens_details.cached_tokens >= full_blocks(usage) - BLOCK
+
+
+def test_a_sigkilled_replica_loses_no_request_and_ray_brings_it_back(deployed):
+    holder, _ = ask(deployed.url, "Where is pier four?")
+    victim = next(m for m in deployed.members() if m["url"] == holder["x-prefixcache-replica"])
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(ask, deployed.url, f"Seat {n}?") for n in range(8)]
+        time.sleep(0.2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert all(answer.result()[1].completion_tokens == 3 for answer in answers)
+    wait_for(lambda: not psutil.pid_exists(victim["server_pid"]), "the server to die with it")
+
+    def replaced() -> bool:
+        members = deployed.members()
+        return len(members) == 2 and victim["replica"] not in {m["replica"] for m in members}
+
+    wait_for(replaced, "Ray to start a replica in its place")
+
+
+def test_the_new_replicas_first_request_for_a_known_document_is_a_tier_hit(deployed):
+    (newcomer,) = [m for m in deployed.members() if m["replica"] not in deployed.first]
+    assert tier_tokens(newcomer["url"]) == 0
+    _, usage = ask(newcomer["url"], "A first question on this replica?")
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached >= full_blocks(usage) - BLOCK
+    assert tier_tokens(newcomer["url"]) == cached
+
+
+def test_while_no_replica_is_up_the_ingress_answers_503_with_a_reason(deployed):
+    members = deployed.members()
+    for member in members:
+        os.kill(member["pid"], signal.SIGKILL)
+    response = httpx.post(
+        f"{deployed.url}/v1/completions",
+        json={"model": MODEL, "prompt": DOCUMENT, "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 503
+    assert "no replica" in response.json()["error"]["message"]
+
+    def back() -> bool:
+        health = httpx.get(f"{deployed.url}/health", timeout=5).json()
+        return sum(r["healthy"] for r in health["replicas"]) == 2
+
+    wait_for(back, "both replicas to come back")
+
+
+def test_shutdown_leaves_no_process_of_ours(deployed):
+    cli = psutil.Process(deployed.process.pid)
+    ours = cli.children(recursive=True)  # the embedded redis-server
+    for member in deployed.members():
+        ours += [psutil.Process(member["pid"]), psutil.Process(member["server_pid"])]
+    port = deployed.url.rsplit(":", 1)[1]
+    for process in psutil.process_iter(["cmdline"]):
+        line = process.info["cmdline"] or []
+        if "route" in line and port in line:
+            ours.append(process)  # the router, under the ingress actor
+    assert len(ours) >= 6
+    deployed.process.send_signal(signal.SIGTERM)
+    assert deployed.process.wait(timeout=90) == 0
+    _, alive = psutil.wait_procs(ours, timeout=30)
+    assert not alive, f"left running: {[p.pid for p in alive]}"
+    assert any("prefixcache ray: stopped" in line for line in deployed.lines)
