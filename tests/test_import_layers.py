@@ -75,3 +75,14 @@ def test_protocol_imports_no_upper_layer_and_no_torch() -> None:
         if name == "torch" or name.startswith("torch.") or name.startswith(UPPER_LAYERS)
     }
     assert not upward
+
+
+def test_the_ray_layer_loads_no_torch_and_the_router_loads_no_ray() -> None:
+    """``prefixcache ray``'s deployments supervise servers, they do not hold a model; and
+    ``prefixcache route`` stays free of Ray (the ingress runs it as a plain process)."""
+    loaded = loaded_after("import prefixcache.on_ray.app\nimport prefixcache.on_ray.cli")
+    assert {"prefixcache.on_ray.app", "ray.serve"} <= loaded
+    assert not loaded & set(FORBIDDEN_IN_ROUTER)
+    assert not [m for m in loaded if m.startswith(("prefixcache.server", "prefixcache.engine"))]
+    router = loaded_after("import prefixcache.router.app\nimport prefixcache.router.cli")
+    assert not [m for m in router if m == "ray" or m.startswith(("ray.", "prefixcache.on_ray"))]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
+# replicas report their load to Serve's autoscaler each second (Ray's default: 10 s)
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 import signal
 import subprocess
@@ -20,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from prefixcache.protocol.tenant_secret import load_or_create_secret
 from router_fixtures import write_tiny_hf_model
 from server_fixtures import free_port
 
@@ -48,6 +52,7 @@ class Deployed:
     lines: list[str]
     cluster: Cluster
     first: set[str]  # the replica ids Ray started first
+    secret: str = ""  # the tenant secret, in hex
 
     def members(self) -> list[dict]:
         """The replicas the ingress routes over now (asked through Ray, as a driver)."""
@@ -74,30 +79,56 @@ def read_lines(process: subprocess.Popen) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    cluster = Cluster(
+def cluster(tmp_path_factory):
+    """Two nodes of one CPU each, and this process connected to them as a driver."""
+    nodes = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
     )
-    cluster.add_node(num_cpus=1)
-    model = write_tiny_hf_model(tmp_path_factory.mktemp("ray") / MODEL)
+    nodes.add_node(num_cpus=1)
+    ray.init(address=nodes.address, log_to_driver=False)
+    nodes.model = write_tiny_hf_model(tmp_path_factory.mktemp("ray") / MODEL)
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+def deploy(cluster: Cluster, *flags: str) -> Deployed:
+    """``prefixcache ray`` on the cluster, once it says it is ready."""
     port = free_port()
     command = [sys.executable, "-m", "prefixcache.cli", "ray", "--address", cluster.address]
-    command += ["--replicas", "2", "--port", str(port), "--model", str(model)]
+    command += ["--port", str(port), "--model", str(cluster.model), *flags]
     command += ["--kv-tier", "redis://embedded", "--kv-cache-bytes", str(2**22)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = read_lines(process)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: any("prefixcache ray: ready" in line for line in lines), "the deployment")
+        ready = lambda: any("prefixcache ray: ready" in line for line in lines)  # noqa: E731
+        wait_for(lambda: ready() or process.poll() is not None, "the deployment")
+        assert ready(), "".join(lines)
+        ray.shutdown()  # a new driver session: Serve's cached controller may be a stopped one
         ray.init(address=cluster.address, log_to_driver=False)
-        found = Deployed(process, url, lines, cluster, set())
+    except BaseException:
+        process.kill()
+        raise
+    return Deployed(process, f"http://127.0.0.1:{port}", lines, cluster, set())
+
+
+def stop(deployed: Deployed) -> None:
+    deployed.process.send_signal(signal.SIGTERM)
+    assert deployed.process.wait(timeout=90) == 0, "".join(deployed.lines)
+
+
+@pytest.fixture(scope="module")
+def deployed(cluster, tmp_path_factory):
+    secret = tmp_path_factory.mktemp("secret") / "tenant-secret"
+    load_or_create_secret(secret)
+    found = deploy(cluster, "--replicas", "2", "--tenant-secret-file", str(secret))
+    found.secret = secret.read_text().split()[0]
+    try:
         found.first = {member["replica"] for member in found.members()}
         yield found
     finally:
-        if process.poll() is None:
-            process.kill()
-        ray.shutdown()
-        cluster.shutdown()
+        if found.process.poll() is None:
+            found.process.kill()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -144,6 +175,20 @@ def test_replicas_land_on_both_nodes_and_say_so_in_their_headers(deployed):
     member = by_url[headers["x-prefixcache-replica"]]
     assert headers["x-prefixcache-node"] == member["node"]
     assert headers["x-prefixcache-ray-replica"] == member["replica"]
+
+
+def test_the_tenant_secret_reaches_the_replicas_through_ray_and_no_log_or_command_line(
+    deployed,
+):
+    first, _ = ask(deployed.url, "Is the secret shared?")
+    again, usage = ask(deployed.url, "Is the secret shared, twice?")
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert again["x-prefixcache-replica"] == first["x-prefixcache-replica"]
+    session = Path(deployed.cluster.head_node.get_session_dir_path())
+    logs = [path for path in session.rglob("*") if path.is_file() and path.stat().st_size < 2**26]
+    assert logs and not [path for path in logs if deployed.secret.encode() in path.read_bytes()]
+    for process in psutil.process_iter(["cmdline"]):
+        assert deployed.secret not in " ".join(process.info["cmdline"] or [])
 
 
 def test_a_documents_requests_go_to_the_replica_that_holds_it(deployed):
@@ -211,8 +256,53 @@ def test_shutdown_leaves_no_process_of_ours(deployed):
         if "route" in line and port in line:
             ours.append(process)  # the router, under the ingress actor
     assert len(ours) >= 6
-    deployed.process.send_signal(signal.SIGTERM)
-    assert deployed.process.wait(timeout=90) == 0
+    stop(deployed)
     _, alive = psutil.wait_procs(ours, timeout=30)
     assert not alive, f"left running: {[p.pid for p in alive]}"
     assert any("prefixcache ray: stopped" in line for line in deployed.lines)
+
+
+def test_ray_adds_a_replica_under_load_and_it_starts_warm_from_the_tier(cluster):
+    scaled = deploy(
+        cluster, "--replicas", "1", "--min-replicas", "1", "--max-replicas", "2",
+        "--target-ongoing-requests", "1", "--upscale-delay", "1", "--autoscale-window", "2",
+    )  # fmt: skip
+    try:
+        (first,) = scaled.members()
+        done = threading.Event()
+
+        def load(worker: int) -> None:
+            number = 0
+            while not done.is_set():
+                ask(scaled.url, f"Load {worker}.{number}: which pier?")
+                number += 1
+
+        with ThreadPoolExecutor(4) as pool:
+            workers = [pool.submit(load, worker) for worker in range(4)]
+            try:
+                wait_for(lambda: len(scaled.members()) == 2, "Ray to add a replica", 120)
+            finally:
+                done.set()
+            for worker in workers:
+                worker.result()  # every request under load was answered
+        (added,) = [m for m in scaled.members() if m["replica"] != first["replica"]]
+        _, usage = ask(added["url"], "A first question on the added replica?")
+        assert usage.prompt_tokens_details.cached_tokens >= full_blocks(usage) - BLOCK
+        assert tier_tokens(added["url"]) == usage.prompt_tokens_details.cached_tokens
+    finally:
+        stop(scaled)
+
+
+def test_under_rays_own_routing_the_proxy_serves_and_headers_name_node_and_replica(cluster):
+    plain = deploy(cluster, "--replicas", "2", "--routing", "ray")
+    try:
+        nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        seen = set()
+        for number in range(6):
+            headers, usage = ask(plain.url, f"Ray's router, question {number}?", stream=number % 2)
+            assert usage.completion_tokens == 3
+            assert headers["x-prefixcache-node"] in nodes
+            seen.add(headers["x-prefixcache-replica"])
+        assert seen  # whichever replicas Ray's power-of-two choice picked
+    finally:
+        stop(plain)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray import serve
 from ray.serve import Application
@@ -28,6 +28,7 @@ class Scaling:
     target_ongoing: float = 2.0
     cpus: float = 1.0
     per_node: int | None = None  # max_replicas_per_node
+    tuning: dict = field(default_factory=dict)  # Ray's autoscaling delays and window
 
     def options(self) -> dict:
         """Serve's deployment options for the engine."""
@@ -48,6 +49,7 @@ class Scaling:
             "initial_replicas": self.replicas,
             "target_ongoing_requests": self.target_ongoing,
             "policy": {"policy_function": POLICY_PATH},
+            **self.tuning,
         }
         return options
 

@@ -23,6 +23,7 @@ from prefixcache.router.cluster import EMBEDDED_REDIS, Child, _redis_command, fr
 
 ROUTINGS = ("prefixcache", "ray")
 READY_TIMEOUT_S = 600.0
+PROXY_TIMEOUT_S = 30.0
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray on 127.0.0.1 only
 
 
@@ -48,6 +49,11 @@ def add_ray_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--min-replicas", type=int, help="autoscaling's floor (with --max)")
     parser.add_argument("--max-replicas", type=positive_int, help="autoscale up to this many")
     parser.add_argument("--target-ongoing-requests", type=float, default=2.0)
+    parser.add_argument("--upscale-delay", type=float, metavar="S", help="Ray's default: 30")
+    parser.add_argument("--downscale-delay", type=float, metavar="S", help="Ray's default: 600")
+    parser.add_argument(
+        "--autoscale-window", type=float, metavar="S", help="load averaged over (Ray's: 30)"
+    )
     parser.add_argument("--local-cpus", type=positive_int, help="a local cluster's CPUs")
     add_event_format_flags(parser)
 
@@ -129,6 +135,9 @@ def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except RuntimeError as error:
+        print(f"prefixcache ray: {error}", file=sys.stderr, flush=True)
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
         _tear_down(args, redis)
@@ -164,9 +173,15 @@ def _specs(args: argparse.Namespace, folder: Path, tier: str | None):
     ingress = (
         IngressSpec(args.host, args.port, tuple(route_flags), secret, keys) if routed else None
     )
+    delays = {
+        "upscale_delay_s": args.upscale_delay,
+        "downscale_delay_s": args.downscale_delay,
+        "look_back_period_s": args.autoscale_window,
+    }
     scaling = Scaling(
         args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
         args.replica_cpus, args.max_replicas_per_node,
+        {name: value for name, value in delays.items() if value is not None},
     )  # fmt: skip
     return engine, ingress, scaling
 
@@ -205,6 +220,7 @@ def _ready_line(args: argparse.Namespace) -> str:
     from prefixcache.on_ray.specs import APP_NAME
 
     if args.routing == "ray":
+        _wait_for_proxy(args)
         return f"prefixcache ray: ready at http://{args.host}:{args.port} (Ray's routing)"
     handle = serve.get_app_handle(APP_NAME)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -219,6 +235,25 @@ def _ready_line(args: argparse.Namespace) -> str:
     )
 
 
+def _wait_for_proxy(args: argparse.Namespace) -> None:
+    """Ray's proxy answers on the port; RuntimeError if Serve already ran without one there."""
+    import httpx
+
+    url = f"http://{args.host}:{args.port}/-/healthz"
+    deadline = time.monotonic() + PROXY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=2.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise RuntimeError(
+        f"no Ray Serve proxy answers on {args.host}:{args.port} after {PROXY_TIMEOUT_S:.0f} s: "
+        "Serve was already running on this cluster with other HTTP options (they are fixed "
+        "while it runs); stop its applications or use --routing prefixcache"
+    )
+
+
 def _tear_down(args: argparse.Namespace, redis: Child | None) -> None:
     """Delete the application (its replicas stop their servers), then disconnect."""
     import ray
@@ -229,8 +264,8 @@ def _tear_down(args: argparse.Namespace, redis: Child | None) -> None:
     if ray.is_initialized():
         try:
             serve.delete(APP_NAME)
-            if not args.address:
-                serve.shutdown()
+            if not args.address or not serve.status().applications:
+                serve.shutdown()  # leave a cluster as found: Serve only if it runs nothing else
         finally:
             ray.shutdown()
     if redis is not None:
