@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve cluster test test-quick bench lab lint format clean
+.PHONY: serve cluster ray test test-quick bench lab lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ serve: $(STAMP)
 
 cluster: $(STAMP)
 	$(BIN)/prefixcache cluster --replicas 2 --port 8000 --kv-tier redis://embedded
+
+# The same two replicas placed, restarted and scaled by a local Ray Serve (docs/ray.md).
+ray: $(STAMP)
+	$(BIN)/prefixcache ray --replicas 2 --port 8000 --kv-tier redis://embedded
 
 # Two workers, each running whole test files (module-scoped servers start once), the
 # longest files first (SLOW_FILES in tests/conftest.py, hence --no-loadscope-reorder).
@@ -40,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/tier.py
 	$(BIN)/python benchmarks/cluster.py
+	$(BIN)/python benchmarks/ray_serve.py
 	$(BIN)/python benchmarks/policies.py
 	$(BIN)/python benchmarks/fairness.py
 	$(BIN)/python benchmarks/hardening.py

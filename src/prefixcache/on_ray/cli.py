@@ -66,8 +66,11 @@ def problem_with(args: argparse.Namespace) -> str | None:
         return "--min-replicas needs --max-replicas (autoscaling)"
     if args.max_replicas is not None:
         low = args.min_replicas if args.min_replicas is not None else 1
-        if not 0 <= low <= args.replicas <= args.max_replicas:
-            return "need 0 <= --min-replicas <= --replicas <= --max-replicas"
+        if not 1 <= low <= args.replicas <= args.max_replicas:
+            return (
+                "need 1 <= --min-replicas <= --replicas <= --max-replicas (no replica "
+                "reports load at zero, so nothing would scale back up)"
+            )
     if args.replica_cpus <= 0:
         return "--replica-cpus must be > 0"
     return None
