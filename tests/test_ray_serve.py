@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
-# replicas report their load to Serve's autoscaler each second (Ray's default: 10 s)
-os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 import signal
 import subprocess
@@ -135,18 +133,30 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def ask(url: str, question: str, stream: bool = False):
+def ask(url: str, question: str, stream: bool = False, tokens: int = 3):
     """A completion of the document and a question: (its headers, its usage)."""
-    prompt = DOCUMENT + question
+    prompt, exact = DOCUMENT + question, {"ignore_eos": True}
     if stream:
         with client(url).completions.with_streaming_response.create(
-            model=MODEL, prompt=prompt, max_tokens=3, stream=True,
-            stream_options={"include_usage": True},
+            model=MODEL, prompt=prompt, max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body=exact,
         ) as response:  # fmt: skip
             chunks = list(response.parse())
             return response.headers, chunks[-1].usage
-    raw = client(url).completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=3)
+    raw = client(url).completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=tokens, extra_body=exact
+    )
     return raw.headers, raw.parse().usage
+
+
+def router_retries(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "prefixcache_router_retries_total"
+    )
 
 
 def tier_tokens(url: str) -> float:
@@ -203,11 +213,13 @@ def test_a_documents_requests_go_to_the_replica_that_holds_it(deployed):
 def test_a_sigkilled_replica_loses_no_request_and_ray_brings_it_back(deployed):
     holder, _ = ask(deployed.url, "Where is pier four?")
     victim = next(m for m in deployed.members() if m["url"] == holder["x-prefixcache-replica"])
-    with ThreadPoolExecutor(8) as pool:
-        answers = [pool.submit(ask, deployed.url, f"Seat {n}?") for n in range(8)]
-        time.sleep(0.2)
+    retries = router_retries(deployed.url)
+    with ThreadPoolExecutor(8) as pool:  # long answers: in flight on the victim when it dies
+        answers = [pool.submit(ask, deployed.url, f"Seat {n}?", tokens=250) for n in range(8)]
+        time.sleep(0.5)
         os.kill(victim["pid"], signal.SIGKILL)
-        assert all(answer.result()[1].completion_tokens == 3 for answer in answers)
+        assert all(answer.result()[1].completion_tokens == 250 for answer in answers)
+    assert router_retries(deployed.url) > retries  # answered by the other replica
     wait_for(lambda: not psutil.pid_exists(victim["server_pid"]), "the server to die with it")
 
     def replaced() -> bool:

@@ -52,9 +52,13 @@ def add_ray_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--upscale-delay", type=float, metavar="S", help="Ray's default: 30")
     parser.add_argument("--downscale-delay", type=float, metavar="S", help="Ray's default: 600")
     parser.add_argument(
-        "--autoscale-window", type=float, metavar="S", help="load averaged over (Ray's: 30)"
-    )
+        "--autoscale-window", type=float, metavar="S",
+        help="load averaged over S seconds, pushed every S/2 (Ray's: 30, pushed every 10)",
+    )  # fmt: skip
     parser.add_argument("--local-cpus", type=positive_int, help="a local cluster's CPUs")
+    parser.add_argument(
+        "--kv-events-token-ids", action="store_true", help="events carry token ids (opt-in)"
+    )
     add_event_format_flags(parser)
 
 
@@ -180,6 +184,10 @@ def _specs(args: argparse.Namespace, folder: Path, tier: str | None):
         "upscale_delay_s": args.upscale_delay,
         "downscale_delay_s": args.downscale_delay,
         "look_back_period_s": args.autoscale_window,
+        # how often replicas push their load: half the window, at most Ray's default
+        "metrics_interval_s": min(10.0, args.autoscale_window / 2)
+        if args.autoscale_window
+        else None,
     }
     scaling = Scaling(
         args.replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests,
@@ -198,8 +206,8 @@ def _serve_flags(args: argparse.Namespace) -> tuple[str, ...]:
     ):
         if value is not None:
             flags += [flag, str(value)]
-    if args.fair_cache:
-        flags.append("--fair-cache")
+    switches = {"--fair-cache": args.fair_cache, "--kv-events-token-ids": args.kv_events_token_ids}
+    flags += [flag for flag, on in switches.items() if on]
     return tuple(flags)
 
 
