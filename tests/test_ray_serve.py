@@ -3,8 +3,9 @@
 Ray's own ``Cluster`` utility starts two nodes of one CPU each, every service on
 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before Ray is imported keeps a local
 cluster off the host's address). The tests share one deployment and run in file order:
-placement, routing, a SIGKILLed replica, its successor warm from the tier, 503 while no
-replica is up, and a shutdown that leaves no process of ours.
+autoscaling from one replica to two (the added one warm from the tier), placement, routing,
+a SIGKILLed replica, its successor warm from the tier, 503 while no replica is up, and a
+shutdown that leaves no process of ours; then Ray's own routing, in a second deployment.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-hf"
 BLOCK = 16
 DOCUMENT = "Pier four's ferry leaves at noon; the cafe on board sells tea and toast. " * 12
+# documents no replica has seen before their test: one holder, whatever came earlier
+SECRET_DOCUMENT = "The lighthouse keeper logs each passing ship by name and hour. " * 12
+KILL_DOCUMENT = "Night buses wait at the square until the last ferry has docked. " * 12
+FRESH_DOCUMENT = "Harbour tickets are stamped at the kiosk beside the fish market. " * 12
 APP = "prefixcache"
 
 
@@ -49,7 +54,7 @@ class Deployed:
     url: str
     lines: list[str]
     cluster: Cluster
-    first: set[str]  # the replica ids Ray started first
+    first: set[str]  # the replica ids before one was killed
     secret: str = ""  # the tenant secret, in hex
 
     def members(self) -> list[dict]:
@@ -119,10 +124,13 @@ def stop(deployed: Deployed) -> None:
 def deployed(cluster, tmp_path_factory):
     secret = tmp_path_factory.mktemp("secret") / "tenant-secret"
     load_or_create_secret(secret)
-    found = deploy(cluster, "--replicas", "2", "--tenant-secret-file", str(secret))
+    found = deploy(
+        cluster, "--replicas", "1", "--min-replicas", "1", "--max-replicas", "2",
+        "--target-ongoing-requests", "1", "--upscale-delay", "1", "--autoscale-window", "2",
+        "--tenant-secret-file", str(secret),
+    )  # fmt: skip
     found.secret = secret.read_text().split()[0]
     try:
-        found.first = {member["replica"] for member in found.members()}
         yield found
     finally:
         if found.process.poll() is None:
@@ -133,9 +141,9 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def ask(url: str, question: str, stream: bool = False, tokens: int = 3):
+def ask(url: str, question: str, stream: bool = False, tokens: int = 3, document=DOCUMENT):
     """A completion of the document and a question: (its headers, its usage)."""
-    prompt, exact = DOCUMENT + question, {"ignore_eos": True}
+    prompt, exact = document + question, {"ignore_eos": True}
     if stream:
         with client(url).completions.with_streaming_response.create(
             model=MODEL, prompt=prompt, max_tokens=tokens, stream=True,
@@ -175,11 +183,35 @@ def full_blocks(usage) -> int:
     return usage.prompt_tokens // BLOCK * BLOCK
 
 
+def test_ray_adds_a_replica_under_load_and_it_starts_warm_from_the_tier(deployed):
+    (first,) = deployed.members()  # --replicas 1, autoscaling up to 2 at one request each
+    assert any("ready: 1 replicas on 1 nodes" in line for line in deployed.lines)
+    done = threading.Event()
+
+    def load(worker: int) -> None:
+        number = 0
+        while not done.is_set():
+            ask(deployed.url, f"Load {worker}.{number}: which pier?")
+            number += 1
+
+    with ThreadPoolExecutor(4) as pool:
+        workers = [pool.submit(load, worker) for worker in range(4)]
+        try:
+            wait_for(lambda: len(deployed.members()) == 2, "Ray to add a replica", 120)
+        finally:
+            done.set()
+        for worker in workers:
+            worker.result()  # every request under load was answered
+    (added,) = [m for m in deployed.members() if m["replica"] != first["replica"]]
+    _, usage = ask(added["url"], "A first question on the added replica?")
+    assert usage.prompt_tokens_details.cached_tokens >= full_blocks(usage) - BLOCK
+    assert tier_tokens(added["url"]) == usage.prompt_tokens_details.cached_tokens
+
+
 def test_replicas_land_on_both_nodes_and_say_so_in_their_headers(deployed):
     members = deployed.members()
     nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert len(members) == 2 and {m["node"] for m in members} == nodes
-    assert any("ready: 2 replicas on 2 nodes" in line for line in deployed.lines)
     headers, _ = ask(deployed.url, "Who runs the cafe?")
     by_url = {m["url"]: m for m in members}
     member = by_url[headers["x-prefixcache-replica"]]
@@ -190,8 +222,8 @@ def test_replicas_land_on_both_nodes_and_say_so_in_their_headers(deployed):
 def test_the_tenant_secret_reaches_the_replicas_through_ray_and_no_log_or_command_line(
     deployed,
 ):
-    first, _ = ask(deployed.url, "Is the secret shared?")
-    again, usage = ask(deployed.url, "Is the secret shared, twice?")
+    first, _ = ask(deployed.url, "Is the secret shared?", document=SECRET_DOCUMENT)
+    again, usage = ask(deployed.url, "Is it shared, twice?", document=SECRET_DOCUMENT)
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert again["x-prefixcache-replica"] == first["x-prefixcache-replica"]
     session = Path(deployed.cluster.head_node.get_session_dir_path())
@@ -202,20 +234,26 @@ def test_the_tenant_secret_reaches_the_replicas_through_ray_and_no_log_or_comman
 
 
 def test_a_documents_requests_go_to_the_replica_that_holds_it(deployed):
-    first, _ = ask(deployed.url, "When does it leave?")
+    first, _ = ask(deployed.url, "When does it open?", document=FRESH_DOCUMENT)
     holder = first["x-prefixcache-replica"]
     for number, stream in enumerate((False, True, False)):
-        headers, usage = ask(deployed.url, f"Question {number}: is there tea?", stream)
+        question = f"Question {number}: is there a queue?"
+        headers, usage = ask(deployed.url, question, stream, document=FRESH_DOCUMENT)
         assert headers["x-prefixcache-replica"] == holder
         assert usage.prompt_tokens_details.cached_tokens >= full_blocks(usage) - BLOCK
 
 
 def test_a_sigkilled_replica_loses_no_request_and_ray_brings_it_back(deployed):
-    holder, _ = ask(deployed.url, "Where is pier four?")
-    victim = next(m for m in deployed.members() if m["url"] == holder["x-prefixcache-replica"])
+    holder, _ = ask(deployed.url, "Where is pier four?", document=KILL_DOCUMENT)
+    members = deployed.members()
+    deployed.first = {member["replica"] for member in members}
+    victim = next(m for m in members if m["url"] == holder["x-prefixcache-replica"])
     retries = router_retries(deployed.url)
     with ThreadPoolExecutor(8) as pool:  # long answers: in flight on the victim when it dies
-        answers = [pool.submit(ask, deployed.url, f"Seat {n}?", tokens=250) for n in range(8)]
+        answers = [
+            pool.submit(ask, deployed.url, f"Seat {n}?", tokens=250, document=KILL_DOCUMENT)
+            for n in range(8)
+        ]
         time.sleep(0.5)
         os.kill(victim["pid"], signal.SIGKILL)
         assert all(answer.result()[1].completion_tokens == 250 for answer in answers)
@@ -272,37 +310,6 @@ def test_shutdown_leaves_no_process_of_ours(deployed):
     _, alive = psutil.wait_procs(ours, timeout=30)
     assert not alive, f"left running: {[p.pid for p in alive]}"
     assert any("prefixcache ray: stopped" in line for line in deployed.lines)
-
-
-def test_ray_adds_a_replica_under_load_and_it_starts_warm_from_the_tier(cluster):
-    scaled = deploy(
-        cluster, "--replicas", "1", "--min-replicas", "1", "--max-replicas", "2",
-        "--target-ongoing-requests", "1", "--upscale-delay", "1", "--autoscale-window", "2",
-    )  # fmt: skip
-    try:
-        (first,) = scaled.members()
-        done = threading.Event()
-
-        def load(worker: int) -> None:
-            number = 0
-            while not done.is_set():
-                ask(scaled.url, f"Load {worker}.{number}: which pier?")
-                number += 1
-
-        with ThreadPoolExecutor(4) as pool:
-            workers = [pool.submit(load, worker) for worker in range(4)]
-            try:
-                wait_for(lambda: len(scaled.members()) == 2, "Ray to add a replica", 120)
-            finally:
-                done.set()
-            for worker in workers:
-                worker.result()  # every request under load was answered
-        (added,) = [m for m in scaled.members() if m["replica"] != first["replica"]]
-        _, usage = ask(added["url"], "A first question on the added replica?")
-        assert usage.prompt_tokens_details.cached_tokens >= full_blocks(usage) - BLOCK
-        assert tier_tokens(added["url"]) == usage.prompt_tokens_details.cached_tokens
-    finally:
-        stop(scaled)
 
 
 def test_under_rays_own_routing_the_proxy_serves_and_headers_name_node_and_replica(cluster):
