@@ -110,9 +110,17 @@ def deploy(cluster: Cluster, *flags: str) -> Deployed:
         ray.shutdown()  # a new driver session: Serve's cached controller may be a stopped one
         ray.init(address=cluster.address, log_to_driver=False)
     except BaseException:
-        process.kill()
+        kill(process)
         raise
     return Deployed(process, f"http://127.0.0.1:{port}", lines, cluster, set())
+
+
+def kill(process: subprocess.Popen) -> None:
+    """A failed test's deployment: the command and its children, at once."""
+    for child in psutil.Process(process.pid).children(recursive=True):
+        child.kill()
+    process.kill()
+    process.wait()
 
 
 def stop(deployed: Deployed) -> None:
@@ -134,7 +142,7 @@ def deployed(cluster, tmp_path_factory):
         yield found
     finally:
         if found.process.poll() is None:
-            found.process.kill()
+            kill(found.process)
 
 
 def client(url: str) -> openai.OpenAI:

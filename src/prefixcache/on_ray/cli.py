@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from prefixcache.argtypes import positive_int, unit_share
+from prefixcache.on_ray.keeper import with_parent_death
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
-from prefixcache.router.cluster import EMBEDDED_REDIS, Child, _redis_command, free_port
+from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command
 
 ROUTINGS = ("prefixcache", "ray")
 READY_TIMEOUT_S = 600.0
@@ -156,7 +157,7 @@ def _tier(args: argparse.Namespace, folder: Path) -> tuple[Child | None, str | N
     if args.kv_tier != EMBEDDED_REDIS:
         return None, args.kv_tier
     port = free_port()
-    redis = Child("redis", _redis_command(port, folder))
+    redis = Child("redis", with_parent_death(redis_command(port, folder)))  # even on SIGKILL
     redis.start()
     return redis, f"redis://127.0.0.1:{port}/0"
 

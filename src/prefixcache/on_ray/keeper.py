@@ -25,8 +25,12 @@ STOP_TIMEOUT_S = 10.0
 
 def prefixcache_command(*arguments: str) -> list[str]:
     """``prefixcache ARGUMENTS`` with this interpreter, dying with its parent where it can."""
-    command = [sys.executable, "-m", "prefixcache.cli", *arguments]
-    setpriv = shutil.which("setpriv")  # util-linux; without it a SIGKILLed actor orphans it
+    return with_parent_death([sys.executable, "-m", "prefixcache.cli", *arguments])
+
+
+def with_parent_death(command: list[str]) -> list[str]:
+    """``command`` killed by the kernel when the thread that starts it dies (SIGKILL too)."""
+    setpriv = shutil.which("setpriv")  # util-linux; without it a SIGKILLed parent orphans it
     return [setpriv, "--pdeathsig", "KILL", *command] if setpriv else command
 
 

@@ -114,7 +114,7 @@ def plan_cluster(args: argparse.Namespace, workdir: Path) -> ClusterPlan:
     tier = args.kv_tier
     if tier == EMBEDDED_REDIS:
         port = free_port()
-        plan.redis = Child("redis", _redis_command(port, workdir))
+        plan.redis = Child("redis", redis_command(port, workdir))
         tier = f"redis://127.0.0.1:{port}/0"
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
     for index in range(args.replicas):
@@ -164,7 +164,7 @@ def _route_command(args: argparse.Namespace, urls: list[str], secret: str) -> li
     return command
 
 
-def _redis_command(port: int, workdir: Path) -> list[str]:
+def redis_command(port: int, workdir: Path) -> list[str]:
     """A redis-server from the project's own dependencies, on loopback, LRU when full."""
     binary = shutil.which("redis-server") or str(Path(sys.executable).parent / "redis-server")
     return [
