@@ -38,9 +38,9 @@ WORDS = WORD_LIST.split(" ")
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def documents(count: int, words: int) -> list[str]:
+def documents(count: int, words: int, seed: int = 7) -> list[str]:
     """Deterministic documents of varied English words (about 1.2 tokens a word)."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     return [
         " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "." for _ in range(count)
     ]

@@ -2,7 +2,8 @@
 
 Three deployments of two replicas (one core each) on the default model, each fresh, each
 given the cluster benchmark's shared-document workload (4 documents of about 500 tokens x 8
-questions, interleaved, 16 requests in flight, 8 tokens out, streamed):
+questions, interleaved, 16 requests in flight, 8 tokens out, streamed) three times, with
+new documents each round; the median round counts (this machine is noisy):
 
 - `prefixcache cluster --replicas 2`: child processes and our router (the reference);
 - `prefixcache ray --replicas 2`: the same servers and router, placed by Ray Serve;
@@ -66,30 +67,34 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def measure(name: str, flags: list[str], conversations, folder: Path) -> dict:
-    """One fresh deployment, one workload."""
+def measure(name: str, flags: list[str], rounds: list, folder: Path) -> dict:
+    """One fresh deployment, each round's workload (new documents each round): the median
+    round's result, and every round's total."""
     port = free_port()
     command = [sys.executable, "-m", "prefixcache.cli", *flags, "--port", str(port)]
     started = time.perf_counter()
     process = launch(command, folder / f"{name.replace(' ', '-')}.log")
     ready_s = time.perf_counter() - started
     try:
-        result = asyncio.run(run_workload(f"http://127.0.0.1:{port}", conversations, 16))
+        url = f"http://127.0.0.1:{port}"
+        results = [asyncio.run(run_workload(url, round_, 16)) for round_ in rounds]
     finally:
         stop(process)
-    result["ready_s"] = ready_s
-    return result
+    median = sorted(results, key=lambda r: r["total"])[len(results) // 2]
+    return {**median, "ready_s": ready_s, "totals": [r["total"] for r in results]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 documents x 4 questions")
+    parser.add_argument("--quick", action="store_true", help="2 documents x 4 questions, once")
+    parser.add_argument("--rounds", type=int, default=3, help="workloads per deployment")
     args = parser.parse_args()
-    docs, questions = (2, 4) if args.quick else (4, 8)
-    conversations = workload(documents(docs, 420), questions)
+    docs, questions, count = (2, 4, 1) if args.quick else (4, 8, args.rounds)
+    rounds = [workload(documents(docs, 420, seed=7 + n), questions) for n in range(count)]
     print(
-        f"ray benchmark: {len(conversations)} requests ({docs} documents x {questions} "
+        f"ray benchmark: {len(rounds[0])} requests ({docs} documents x {questions} "
         f"questions, interleaved), 16 at a time, 8 tokens out, 2 replicas of 1 core; "
+        f"{count} rounds per deployment, new documents each, the median shown; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     local = ["--local-cpus", "2", "--replica-cpus", "1"]
@@ -101,11 +106,12 @@ def main() -> int:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="ray-bench-") as folder:
         for name, flags in systems.items():
-            rows[name] = row = measure(name, flags, conversations, Path(folder))
+            rows[name] = row = measure(name, flags, rounds, Path(folder))
+            totals = " ".join(f"{total:.2f}" for total in row["totals"])
             print(
-                f"  {name:>20}  total {row['total']:6.2f}s  TTFT p50 {row['p50']:6.3f}s "
-                f"p95 {row['p95']:6.3f}s  hit {100 * row['hit']:5.1f}%  replicas used "
-                f"{len(row['replicas'])}  ready after {row['ready_s']:5.1f}s",
+                f"  {name:>20}  total {row['total']:6.2f}s ({totals})  TTFT p50 "
+                f"{row['p50']:6.3f}s p95 {row['p95']:6.3f}s  hit {100 * row['hit']:5.1f}%  "
+                f"replicas used {len(row['replicas'])}  ready after {row['ready_s']:5.1f}s",
                 flush=True,
             )
     cluster, ours, rays = (rows[name]["total"] for name in systems)
