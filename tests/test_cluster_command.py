@@ -5,23 +5,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
+from process_fixtures import read_lines, wait_for
 from router_fixtures import write_tiny_hf_model
 from server_fixtures import free_port
-
-
-def wait_for(predicate, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def healthy(url: str) -> bool:
@@ -52,18 +43,6 @@ def early_503s(url: str, seen: list[dict]) -> bool:
     if response.status_code == 503:
         seen.append(response.json()["error"])
     return response.status_code == 200
-
-
-def read_lines(process: subprocess.Popen) -> list[str]:
-    """The process's output lines, appended as they come (from a daemon thread)."""
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            lines.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
 
 
 def ask(url: str) -> httpx.Response:

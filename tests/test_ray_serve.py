@@ -33,6 +33,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from prefixcache.protocol.tenant_secret import load_or_create_secret
+from process_fixtures import read_lines, wait_for
 from router_fixtures import write_tiny_hf_model
 from server_fixtures import free_port
 
@@ -63,25 +64,6 @@ class Deployed:
         return serve.get_app_handle(APP).replicas.remote().result(timeout_s=30)
 
 
-def wait_for(predicate, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-
-
-def read_lines(process: subprocess.Popen) -> list[str]:
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            lines.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two nodes of one CPU each, and this process connected to them as a driver."""
@@ -106,7 +88,7 @@ def deploy(cluster: Cluster, *flags: str) -> Deployed:
     lines = read_lines(process)
     try:
         ready = lambda: any("prefixcache ray: ready" in line for line in lines)  # noqa: E731
-        wait_for(lambda: ready() or process.poll() is not None, "the deployment")
+        wait_for(lambda: ready() or process.poll() is not None, "the deployment", 180)
         assert ready(), "".join(lines)
         ray.shutdown()  # a new driver session: Serve's cached controller may be a stopped one
         ray.init(address=cluster.address, log_to_driver=False)

@@ -13,7 +13,7 @@ import time
 
 from ray.serve.handle import DeploymentHandle
 
-from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, prefixcache_command
+from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, Supervisor, prefixcache_command
 from prefixcache.on_ray.replica import replica_headers
 from prefixcache.on_ray.specs import HEARTBEAT_S, IngressSpec, base_url
 from prefixcache.router.membership import Member, write_members
@@ -22,7 +22,7 @@ EXPIRY_S = HEARTBEAT_S * 3
 PRUNE_S = 1.0
 
 
-class RouterIngress:
+class RouterIngress(Supervisor):
     """A Ray Serve replica wrapping our router, fed the live replica set."""
 
     def __init__(self, spec: IngressSpec, engine: DeploymentHandle) -> None:
@@ -88,11 +88,3 @@ class RouterIngress:
         code = self.keeper.exit_code()
         if code is not None:
             raise RuntimeError(f"prefixcache route exited with {code}")
-
-    def __del__(self) -> None:
-        keeper = getattr(self, "keeper", None)
-        if keeper is not None:
-            keeper.stop()
-        folder = getattr(self, "folder", None)
-        if folder is not None:
-            folder.remove()

@@ -120,3 +120,17 @@ class ChildKeeper:
             return True
         except httpx.HTTPError:
             return False
+
+
+class Supervisor:
+    """A Serve replica that owns one child and one secrets folder; Serve's graceful stop
+    calls ``__del__``: the child gets SIGTERM (then SIGKILL), the folder is deleted."""
+
+    keeper: ChildKeeper | None = None
+    folder: PrivateFolder | None = None
+
+    def __del__(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.folder is not None:
+            self.folder.remove()

@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, prefixcache_command
+from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, Supervisor, prefixcache_command
 from prefixcache.on_ray.specs import (
     HEARTBEAT_S,
     TIER_ENV,
@@ -40,7 +40,7 @@ LOAD_METRIC = "engine_load"  # running + waiting requests, for the autoscaling p
 CHECK_TIMEOUT_S = 5.0
 
 
-class EngineReplica:
+class EngineReplica(Supervisor):
     """A Ray Serve replica wrapping one ``prefixcache serve`` on its node."""
 
     def __init__(self, spec: EngineSpec) -> None:
@@ -147,15 +147,6 @@ class EngineReplica:
     def as_replica(self) -> Replica:
         """This replica as the router sees it: its URL and the headers it adds."""
         return Replica(self.url, headers=replica_headers(self.node, self.replica_id))
-
-    def __del__(self) -> None:
-        """Serve's graceful stop: the server gets SIGTERM, its secrets are deleted."""
-        keeper = getattr(self, "keeper", None)
-        if keeper is not None:
-            keeper.stop()
-        folder = getattr(self, "folder", None)
-        if folder is not None:
-            folder.remove()
 
 
 def replica_headers(node: str, replica_id: str) -> dict[str, str]:
