@@ -20,7 +20,7 @@ from pathlib import Path
 from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.on_ray.keeper import with_parent_death
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
-from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command
+from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
 
 ROUTINGS = ("prefixcache", "ray")
 READY_TIMEOUT_S = 600.0
@@ -233,7 +233,7 @@ def _ready_line(args: argparse.Namespace) -> str:
 
     if args.routing == "ray":
         _wait_for_proxy(args)
-        return f"prefixcache ray: ready at http://{args.host}:{args.port} (Ray's routing)"
+        return f"prefixcache ray: ready at {router_url(args.host, args.port)} (Ray's routing)"
     handle = serve.get_app_handle(APP_NAME)
     deadline = time.monotonic() + READY_TIMEOUT_S
     members = handle.replicas.remote().result()
@@ -243,7 +243,7 @@ def _ready_line(args: argparse.Namespace) -> str:
     nodes = len({member["node"] for member in members})
     return (
         f"prefixcache ray: ready: {len(members)} replicas on {nodes} nodes at "
-        f"http://{args.host}:{args.port}"
+        f"{router_url(args.host, args.port)}"
     )
 
 
@@ -251,7 +251,7 @@ def _wait_for_proxy(args: argparse.Namespace) -> None:
     """Ray's proxy answers on the port; RuntimeError if Serve already ran without one there."""
     import httpx
 
-    url = f"http://{args.host}:{args.port}/-/healthz"
+    url = f"{router_url(args.host, args.port)}/-/healthz"
     deadline = time.monotonic() + PROXY_TIMEOUT_S
     while time.monotonic() < deadline:
         try:

@@ -15,7 +15,8 @@ from ray.serve.handle import DeploymentHandle
 
 from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, Supervisor, prefixcache_command
 from prefixcache.on_ray.replica import replica_headers
-from prefixcache.on_ray.specs import HEARTBEAT_S, IngressSpec, base_url
+from prefixcache.on_ray.specs import HEARTBEAT_S, IngressSpec
+from prefixcache.router.cluster import router_url
 from prefixcache.router.membership import Member, write_members
 
 EXPIRY_S = HEARTBEAT_S * 3
@@ -35,7 +36,7 @@ class RouterIngress(Supervisor):
         self.keeper = ChildKeeper(
             self._command(spec),
             {},
-            f"{base_url(spec.host, spec.port)}/health",
+            f"{router_url(spec.host, spec.port)}/health",
             self._prune,
             PRUNE_S,
         )

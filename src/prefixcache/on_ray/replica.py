@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import httpx
 import ray
@@ -19,16 +20,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, Supervisor, prefixcache_command
-from prefixcache.on_ray.specs import (
-    HEARTBEAT_S,
-    TIER_ENV,
-    EngineSpec,
-    address,
-    base_url,
-    free_port,
-    is_loopback,
-)
+from prefixcache.on_ray.specs import HEARTBEAT_S, EngineSpec
 from prefixcache.protocol.auth import Tenants
+from prefixcache.protocol.event_flags import is_loopback_endpoint
+from prefixcache.router.cluster import TIER_ENV, address, free_port, router_url
 from prefixcache.router.forward import REPLICA_HEADER, forward_headers, response_headers
 from prefixcache.router.replicas import Replica, parse_load
 
@@ -49,10 +44,12 @@ class EngineReplica(Supervisor):
         self.node = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
         port = free_port(host)
-        self.url = base_url(host, port)
+        self.url = router_url(host, port)
+        self.routed_as = Replica(self.url, headers=replica_headers(self.node, self.replica_id))
         self.folder = PrivateFolder("prefixcache-replica-")
-        command, env = self._command(spec, host, port)
-        self.metrics_headers = self._admin_headers(spec)
+        keys = self.folder.write("api-keys.json", spec.api_keys) if spec.api_keys else None
+        command, env = self._command(spec, host, port, keys)
+        self.metrics_headers = Tenants.from_file(keys).admin_headers() if keys else {}
         self.ingress = (
             serve.get_deployment_handle(spec.ingress, context.app_name) if spec.ingress else None
         )
@@ -64,28 +61,23 @@ class EngineReplica(Supervisor):
             "prefixcache replica %s serving at %s on node %s", self.replica_id, self.url, self.node
         )
 
-    def _command(self, spec: EngineSpec, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    def _command(
+        self, spec: EngineSpec, host: str, port: int, keys: Path | None
+    ) -> tuple[list[str], dict[str, str]]:
         secret = self.folder.write("tenant-secret", spec.tenant_secret)
-        events, replay = free_port(host), free_port(host)
+        events = f"tcp://{address(host, free_port(host))}"
         arguments = ["serve", "--host", host, "--port", str(port), "--threads", str(spec.threads)]
-        arguments += ["--tenant-secret-file", str(secret)]
-        arguments += ["--kv-events", f"tcp://{address(host, events)}"]
-        arguments += ["--kv-events-replay", f"tcp://{address(host, replay)}"]
-        if not is_loopback(host):
+        arguments += ["--tenant-secret-file", str(secret), "--kv-events", events]
+        arguments += ["--kv-events-replay", f"tcp://{address(host, free_port(host))}"]
+        if not is_loopback_endpoint(events):
             arguments.append("--kv-events-allow-remote")  # the router is on another machine
-        if spec.api_keys is not None:
-            arguments += ["--api-key-file", str(self.folder.write("api-keys.json", spec.api_keys))]
+        if keys is not None:
+            arguments += ["--api-key-file", str(keys)]
         env = {}
         if spec.tier:
             arguments += ["--kv-tier", f"env:{TIER_ENV}"]
             env[TIER_ENV] = spec.tier
         return prefixcache_command(*arguments, *spec.serve_flags), env
-
-    def _admin_headers(self, spec: EngineSpec) -> dict[str, str]:
-        """The key /metrics needs when tenants have keys (an admin tenant's)."""
-        if spec.api_keys is None:
-            return {}
-        return Tenants.from_file(str(self.folder.path / "api-keys.json"), None).admin_headers()
 
     def member(self) -> dict:
         """Where this replica serves, for the ingress (and tests: its process ids)."""
@@ -138,15 +130,11 @@ class EngineReplica(Supervisor):
             ),
             stream=True,
         )
-        headers = response_headers(upstream, self.as_replica(), decoded=False)
+        headers = response_headers(upstream, self.routed_as, decoded=False)
         return StreamingResponse(
             upstream.aiter_raw(), status_code=upstream.status_code, headers=headers,
             background=BackgroundTask(upstream.aclose),
         )  # fmt: skip
-
-    def as_replica(self) -> Replica:
-        """This replica as the router sees it: its URL and the headers it adds."""
-        return Replica(self.url, headers=replica_headers(self.node, self.replica_id))
 
 
 def replica_headers(node: str, replica_id: str) -> dict[str, str]:

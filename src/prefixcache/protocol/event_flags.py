@@ -1,8 +1,10 @@
-"""The KV-event flags ``serve`` and ``cluster`` share: the wire form and a fixed topic."""
+"""The KV-event flags ``serve`` and ``cluster`` share (the wire form and a fixed topic), and
+whether an endpoint stays on this machine (``--kv-events-allow-remote`` otherwise)."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 
 from prefixcache.protocol.kv_events import MAX_TOPIC_CHARS, WIRE_FORMATS, check_topic
 
@@ -42,3 +44,19 @@ def event_format_args(args: argparse.Namespace) -> list[str]:
         if value is not None:
             command += [flag, value]
     return command
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ipc/inproc and tcp on 127.0.0.0/8, ::1 or localhost; False for ``*``."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a host name: could be any address

@@ -34,11 +34,16 @@ HEALTH_POLL_TIMEOUT_S = 1.0
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` (loopback by default) that nobody listens on right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def address(host: str, port: int) -> str:
+    """``host:port``, brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 TIER_ENV = "PREFIXCACHE_KV_TIER"  # the replicas read their tier spec here, not from argv
@@ -211,8 +216,7 @@ def healthy_replicas(router_url: str) -> int | None:
 
 def router_url(host: str, port: int) -> str:
     """Where this machine reaches the router (loopback when it binds every address)."""
-    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{address('127.0.0.1' if host in WILDCARD_HOSTS else host, port)}"
 
 
 def supervise(

@@ -7,32 +7,15 @@ reaches Python, and to queue only a few requests per peer (``RCVHWM``).
 
 from __future__ import annotations
 
-import ipaddress
-
 import zmq
 
+from prefixcache.protocol.event_flags import is_loopback_endpoint
 from prefixcache.protocol.kv_events import MAX_REPLAY_FRAME_BYTES
 
 ALLOW_REMOTE_FLAG = "--kv-events-allow-remote"
 PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (vLLM's default)
 MAX_SUBSCRIPTION_BYTES = 4096  # a SUB's subscribe message: one byte plus a topic prefix
 REPLAY_RCVHWM = 64  # replay requests queued per peer before libzmq stops reading it
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True for ipc/inproc and tcp on 127.0.0.0/8, ::1 or localhost; False for ``*``."""
-    scheme, _, rest = endpoint.partition("://")
-    if scheme in ("ipc", "inproc"):
-        return True
-    if scheme != "tcp":
-        return False
-    host = rest.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # "*", an interface name or a host name: could be any address
 
 
 def check_bind_allowed(endpoint: str, allow_remote: bool) -> None:
