@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 from cluster import documents, run_workload, workload
-from servers import free_port
+from servers import free_port, interrupt
 
 READY = ("prefixcache cluster: ready", "prefixcache ray: ready")
 SETTLE_S = 2.0  # the router's first health checks and event subscriptions
@@ -58,15 +57,6 @@ def launch(command: list[str], log: Path) -> subprocess.Popen:
     return process
 
 
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def measure(name: str, flags: list[str], rounds: list, folder: Path) -> dict:
     """One fresh deployment, each round's workload (new documents each round): the median
     round's result, and every round's total."""
@@ -79,7 +69,7 @@ def measure(name: str, flags: list[str], rounds: list, folder: Path) -> dict:
         url = f"http://127.0.0.1:{port}"
         results = [asyncio.run(run_workload(url, round_, 16)) for round_ in rounds]
     finally:
-        stop(process)
+        interrupt(process, 120)
     median = sorted(results, key=lambda r: r["total"])[len(results) // 2]
     return {**median, "ready_s": ready_s, "totals": [r["total"] for r in results]}
 

@@ -1,8 +1,11 @@
-"""What the benchmarks that start real servers share: a free loopback port, a health wait."""
+"""What the benchmarks that start real servers share: a free loopback port, a health wait,
+and a Ctrl-C that ends one."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import time
 
 import httpx
@@ -26,3 +29,13 @@ def wait_healthy(url: str, timeout: float = 180.0) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} did not become healthy in {timeout:g} s")
+
+
+def interrupt(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Ctrl-C (a clean shutdown), then SIGKILL after ``timeout`` seconds."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +23,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from servers import free_port, interrupt
+
 TIMEOUT = 180.0  # seconds before a start counts as failed
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def healthy(port: int) -> bool:
@@ -62,12 +55,7 @@ def time_to_healthy(cache_dir: Path, extra: list[str]) -> float:
                 time.sleep(0.02)
             return time.perf_counter() - start
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            interrupt(server)
 
 
 def load() -> str:
