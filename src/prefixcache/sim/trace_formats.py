@@ -25,12 +25,12 @@ from pathlib import Path
 from prefixcache.sim.traces import (
     CSV_COLUMNS,
     MAX_SESSION_CHARS,
+    Fields,
     MooncakeRequest,
-    _check_blocks,
-    _check_chaining,
-    _error,
-    _Fields,
-    _parse_lines,
+    check_blocks,
+    check_chaining,
+    line_error,
+    parse_lines,
 )
 
 BAILIAN_BLOCK_TOKENS = 16
@@ -62,14 +62,14 @@ def detect_format(path: str | Path) -> str:
     if not line.lstrip().startswith("{"):
         if {name.strip() for name in line.split(",")} & set(CSV_COLUMNS):
             return "csv"
-        raise _error(path, line_no, "neither a JSON object nor a CSV header naming "
+        raise line_error(path, line_no, "neither a JSON object nor a CSV header naming "
                      "timestamp, session and block_ids")  # fmt: skip
-    _, record = next(_parse_lines(path))
+    _, record = next(parse_lines(path))
     if "hash_ids" in record:
         return "bailian" if "chat_id" in record else "mooncake"
     if "token_ids" in record:
         return "tokens"
-    raise _error(path, line_no, "neither 'hash_ids' (Mooncake) nor 'token_ids' present")
+    raise line_error(path, line_no, "neither 'hash_ids' (Mooncake) nor 'token_ids' present")
 
 
 def read_bailian(path: str | Path) -> Iterator[MooncakeRequest]:
@@ -77,8 +77,8 @@ def read_bailian(path: str | Path) -> Iterator[MooncakeRequest]:
     path = Path(path)
     root_of: dict[int, int] = {}  # chat id -> the root of its chain
     chains = _Chains()
-    for line_no, record in _parse_lines(path):
-        fields = _Fields(path, line_no, record)
+    for line_no, record in parse_lines(path):
+        fields = Fields(path, line_no, record)
         chat, parent = _chat_id(fields, "chat_id", 0), _chat_id(fields, "parent_chat_id", -1)
         _turn(fields)
         fields.optional_str("type")
@@ -89,7 +89,7 @@ def read_bailian(path: str | Path) -> Iterator[MooncakeRequest]:
             fields.ids("hash_ids"),
             id_tokens=BAILIAN_BLOCK_TOKENS,
         )
-        _check_blocks(fields, request)
+        check_blocks(fields, request)
         request.hash_ids = chains.chain(request.hash_ids)
         root = chat if parent < 0 else root_of.get(parent, parent)
         root_of[chat] = root
@@ -97,7 +97,7 @@ def read_bailian(path: str | Path) -> Iterator[MooncakeRequest]:
         yield request
 
 
-def _chat_id(fields: _Fields, name: str, lowest: int) -> int:
+def _chat_id(fields: Fields, name: str, lowest: int) -> int:
     """An integer chat id >= ``lowest`` (``parent_chat_id`` -1: none)."""
     value = fields.required(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
@@ -105,7 +105,7 @@ def _chat_id(fields: _Fields, name: str, lowest: int) -> int:
     return value
 
 
-def _turn(fields: _Fields) -> None:
+def _turn(fields: Fields) -> None:
     """``turn``, if present: the conversation's turn number, an integer >= 1."""
     if fields.record.get("turn") is not None and fields.count("turn") < 1:
         raise fields.fail("turn", f"must be >= 1, got {fields.record['turn']}")
@@ -136,8 +136,8 @@ def read_csv(path: str | Path, block_size: int) -> Iterator[MooncakeRequest]:
                 tenant=fields.optional_str("tenant"),
                 session=fields.optional_str("session"),
             )
-            _check_blocks(fields, request, "block_ids")
-            _check_chaining(fields, ids, parent_of, "block_ids")
+            check_blocks(fields, request, "block_ids")
+            check_chaining(fields, ids, parent_of, "block_ids")
             yield request
 
 
@@ -146,20 +146,20 @@ def _header(path: Path, line_no: int, row: list[str]) -> list[str]:
     names = [cell.strip() for cell in row]
     for name in names:
         if name not in CSV_COLUMNS:
-            raise _error(path, line_no, f"column {name!r} is not one of {list(CSV_COLUMNS)}")
+            raise line_error(path, line_no, f"column {name!r} is not one of {list(CSV_COLUMNS)}")
         if names.count(name) > 1:
-            raise _error(path, line_no, f"column {name!r} appears twice in the header")
+            raise line_error(path, line_no, f"column {name!r} appears twice in the header")
     for name in CSV_REQUIRED:
         if name not in names:
-            raise _error(path, line_no, f"column {name!r} is missing from the header")
+            raise line_error(path, line_no, f"column {name!r} is missing from the header")
     return names
 
 
-def _csv_fields(path: Path, line_no: int, header: list[str], row: list[str]) -> _Fields:
+def _csv_fields(path: Path, line_no: int, header: list[str], row: list[str]) -> Fields:
     """The row's cells as typed fields (empty optional cells left out)."""
     if len(row) != len(header):
-        raise _error(path, line_no, f"has {len(row)} columns, the header {len(header)}")
-    fields = _Fields(path, line_no, {}, noun="column")
+        raise line_error(path, line_no, f"has {len(row)} columns, the header {len(header)}")
+    fields = Fields(path, line_no, {}, noun="column")
     for name, cell in zip(header, row, strict=True):
         text = cell.strip()
         if text or name in CSV_REQUIRED:
@@ -167,7 +167,7 @@ def _csv_fields(path: Path, line_no: int, header: list[str], row: list[str]) -> 
     return fields
 
 
-def _cell(fields: _Fields, name: str, text: str) -> object:
+def _cell(fields: Fields, name: str, text: str) -> object:
     """One cell parsed: numbers, a list of ids, or a string (an empty session: None)."""
     if name == "block_ids":
         return [_number(fields, f"{name}[{k}]", item, int) for k, item in enumerate(text.split())]
@@ -180,7 +180,7 @@ def _cell(fields: _Fields, name: str, text: str) -> object:
     return text or None
 
 
-def _number(fields: _Fields, name: str, text: str, kind: type) -> int | float:
+def _number(fields: Fields, name: str, text: str, kind: type) -> int | float:
     try:
         return kind(text)
     except ValueError:

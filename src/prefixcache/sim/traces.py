@@ -116,11 +116,12 @@ class LineError(ValueError):
     """A malformed trace line (the message names the file, the line and the field)."""
 
 
-def _error(path: Path, line_no: int, message: str) -> LineError:
+def line_error(path: Path, line_no: int, message: str) -> LineError:
+    """A trace error naming the file and line (every trace reader's)."""
     return LineError(f"{path}, line {line_no}: {message}")
 
 
-def _parse_lines(path: Path) -> Iterator[tuple[int, dict]]:
+def parse_lines(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for every non-blank line, streaming."""
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
@@ -129,9 +130,11 @@ def _parse_lines(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise _error(path, line_no, f"invalid JSON ({error.msg})") from None
+                raise line_error(path, line_no, f"invalid JSON ({error.msg})") from None
             if not isinstance(record, dict):
-                raise _error(path, line_no, f"expected a JSON object, got {type(record).__name__}")
+                raise line_error(
+                    path, line_no, f"expected a JSON object, got {type(record).__name__}"
+                )
             yield line_no, record
 
 
@@ -139,14 +142,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Fields:
+class Fields:
     """Typed access to one record's fields; every failure names the field."""
 
     def __init__(self, path: Path, line_no: int, record: dict, noun: str = "field") -> None:
         self.path, self.line_no, self.record, self.noun = path, line_no, record, noun
 
     def fail(self, name: str, message: str) -> LineError:
-        return _error(self.path, self.line_no, f"{self.noun} {name!r} {message}")
+        return line_error(self.path, self.line_no, f"{self.noun} {name!r} {message}")
 
     def required(self, name: str) -> object:
         if name not in self.record:
@@ -236,8 +239,8 @@ def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
     """Stream a Mooncake trace, checking lengths against the ids and the prefix chaining."""
     path = Path(path)
     parent_of: dict[int, int] = {}  # id -> the id before it (-1 at position 0)
-    for line_no, record in _parse_lines(path):
-        fields = _Fields(path, line_no, record)
+    for line_no, record in parse_lines(path):
+        fields = Fields(path, line_no, record)
         request = MooncakeRequest(
             fields.timestamp(),
             fields.count("input_length"),
@@ -245,15 +248,15 @@ def read_mooncake(path: str | Path) -> Iterator[MooncakeRequest]:
             fields.ids("hash_ids", required=False),
             _optional_block_size(fields),
         )
-        _check_blocks(fields, request)
-        _check_chaining(fields, request.hash_ids, parent_of)
+        check_blocks(fields, request)
+        check_chaining(fields, request.hash_ids, parent_of)
         request.cache_key = fields.cache_key()
         request.retention = fields.retention(request.input_length)
         request.session = fields.session("session", "session_id")
         yield request
 
 
-def _optional_block_size(fields: _Fields) -> int | None:
+def _optional_block_size(fields: Fields) -> int | None:
     """``block_size`` (captured traces): tokens per block, a positive integer."""
     if "block_size" not in fields.record:
         return None
@@ -263,7 +266,7 @@ def _optional_block_size(fields: _Fields) -> int | None:
     return size
 
 
-def _check_blocks(fields: _Fields, request: MooncakeRequest, name: str = "hash_ids") -> None:
+def check_blocks(fields: Fields, request: MooncakeRequest, name: str = "hash_ids") -> None:
     """The ids cover the input: one per ``id_tokens`` (512: Mooncake), the last one partial,
     or one per full block of ``block_size`` tokens (captured by ``--trace-out``)."""
     if request.block_size is None:
@@ -282,8 +285,8 @@ def _check_blocks(fields: _Fields, request: MooncakeRequest, name: str = "hash_i
         raise fields.fail(name, "is empty")
 
 
-def _check_chaining(
-    fields: _Fields, hash_ids: list[int], parent_of: dict[int, int], name: str = "hash_ids"
+def check_chaining(
+    fields: Fields, hash_ids: list[int], parent_of: dict[int, int], name: str = "hash_ids"
 ) -> None:
     """An id must follow the same id everywhere (and never repeat within a request)."""
     parent = -1
@@ -301,8 +304,8 @@ def _check_chaining(
 def read_token_trace(path: str | Path) -> Iterator[TokenRequest]:
     """Stream a trace of our own token-id format."""
     path = Path(path)
-    for line_no, record in _parse_lines(path):
-        fields = _Fields(path, line_no, record)
+    for line_no, record in parse_lines(path):
+        fields = Fields(path, line_no, record)
         unknown = sorted(set(record) - TOKEN_FIELDS)
         if unknown:
             raise fields.fail(unknown[0], f"is not one of {sorted(TOKEN_FIELDS)}")
