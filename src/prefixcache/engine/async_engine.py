@@ -11,6 +11,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from prefixcache.cache.retention import Keep
+from prefixcache.engine.compute_threads import release_pool
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling import SamplingParams
@@ -104,6 +105,7 @@ class AsyncLLMEngine:
     def start(self) -> None:
         """Start the engine thread, delivering to the running event loop."""
         self._loop = asyncio.get_running_loop()
+        release_pool()  # this thread built the model; only the engine thread computes now
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
