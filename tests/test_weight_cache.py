@@ -13,6 +13,7 @@ import torch
 
 from engine_fixtures import run_to_completion
 from prefixcache.engine import weight_cache
+from prefixcache.engine.cache_folder import default_cache_dir
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.model_files import default_model_path
 from prefixcache.engine.packed import packed_tensors
@@ -183,10 +184,10 @@ def test_serve_flags() -> None:
 
 def test_default_folder(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "c"))
-    assert weight_cache.default_cache_dir() == tmp_path / "c"
+    assert default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("PREFIXCACHE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert weight_cache.default_cache_dir() == tmp_path / "prefixcache"
+    assert default_cache_dir() == tmp_path / "prefixcache"
     assert default_model_path().suffix == ".gguf"
 
 

@@ -77,6 +77,7 @@ class EngineConfig:
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
+    fused_decode: bool = True  # a lone decode's layers as native calls (engine/fused_decode.py)
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
@@ -359,7 +360,13 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_store)
+                hidden = self.model(
+                    batch.input_ids,
+                    batch.positions,
+                    batch.metadata,
+                    self.kv_store,
+                    fused=self.config.fused_decode,
+                )
                 logits = (
                     self.model.compute_logits(hidden[batch.logit_rows]) if batch.sampled else None
                 )

@@ -69,3 +69,13 @@ class LoneDecode:
             keys[:, n - 1].copy_(k[0])
             values[:, n - 1].copy_(v[0])
         return keys[None, :, :n], values[None, :, :n]
+
+    def refill(self, layer: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a fused decode, which writes this step's token itself: after a rebuild, the
+        tokens before it from the pool; the layer's whole `[kv_heads, capacity, dim]` K, V."""
+        keys, values, n = self.keys[layer], self.values[layer], self.length - 1
+        if self.rebuild and n > 0:
+            k_all, v_all = gather_context(cache, self._block_ids, n)
+            keys[:, :n].copy_(k_all.transpose(0, 1))
+            values[:, :n].copy_(v_all.transpose(0, 1))
+        return keys, values

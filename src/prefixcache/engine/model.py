@@ -11,6 +11,7 @@ from torch import nn
 
 from prefixcache.engine.attention import AttentionMetadata, lone_attention, paged_attention
 from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.fused_decode import fused_applies, fused_decode
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.lone_decode import LoneDecode
@@ -201,11 +202,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         kv_store: KVStore,
+        fused: bool = True,
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm."""
-        rope = self.rotary(positions, self.dtype)
+        """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm.
+
+        A lone decode runs its layers fused (`fused_decode.py`) where it can, unless not `fused`.
+        """
         h = F.embedding(input_ids, self.embed_tokens)
         is_lone = self.lone.prepare(metadata, kv_store.layers[0], len(self.layers))
+        if is_lone and fused and fused_applies(self, kv_store):
+            h = fused_decode(self, h, positions, metadata, kv_store)
+            return rms_norm(h, self.norm, self.config.rms_norm_eps)
+        rope = self.rotary(positions, self.dtype)
         lone = self.lone if is_lone else None
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, metadata, kv_store, i, lone)

@@ -50,14 +50,6 @@ class CacheFileError(ValueError):
     """A cache file that is truncated, corrupt, or for another model or packing."""
 
 
-def default_cache_dir() -> Path:
-    """``$PREFIXCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/prefixcache`` (``~/.cache/...``)."""
-    if folder := os.environ.get("PREFIXCACHE_CACHE_DIR"):
-        return Path(folder).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "prefixcache"
-
-
 def load_serving_model(path: str | Path | None, folder: Path | None) -> LoadedModel:
     """The model with its int4 model built (fp32, int4 kernels), from ``folder`` if it holds
     a good file for it; else built and stored there. None, or an HF folder: no cache."""

@@ -273,7 +273,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def serving_model(args: argparse.Namespace) -> LoadedModel:
     """The model built for int4 kernels, through the weight cache unless it is turned off."""
-    from prefixcache.engine.weight_cache import default_cache_dir, load_serving_model
+    from prefixcache.engine.cache_folder import default_cache_dir
+    from prefixcache.engine.weight_cache import load_serving_model
 
     folder = None if args.no_weight_cache else Path(args.weight_cache or default_cache_dir())
     return load_serving_model(args.model, folder)

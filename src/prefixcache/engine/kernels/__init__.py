@@ -1,0 +1,88 @@
+"""Native kernels (C++ on torch's ATen), built once per machine with the system compiler.
+
+The sources sit beside this file. The library goes to `<cache folder>/kernels/<key>.so`, the
+key a digest of the sources, torch's version, the flags and the CPU's features. `make serve`
+and `make test` build it first (`python -m prefixcache.engine.kernels`); otherwise the first
+use builds it (~15 s). Without a compiler, or when the build fails, the engine keeps its
+eager torch path and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from prefixcache.engine.cache_folder import default_cache_dir
+
+SOURCES = ("ops.cpp", "decode_layer.cpp", "decode_layer.h")
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
+_HERE = Path(__file__).resolve().parent
+
+log = logging.getLogger(__name__)
+
+
+class BuildError(RuntimeError):
+    """The compiler is missing or refused the sources."""
+
+
+def library_path(folder: Path | None = None) -> Path:
+    """Where the library for these sources, this torch and this CPU lives."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
+    digest.update(" ".join((torch.__version__, *FLAGS, _cpu_features())).encode())
+    return (folder or default_cache_dir()) / "kernels" / f"prefixcache-{digest.hexdigest()[:24]}.so"
+
+
+def _cpu_features() -> str:
+    """The CPU's flags line (-march=native compiles for them), or '' where unreadable."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith("flags")), "")
+
+
+def build(path: Path) -> Path:
+    """Compile the library to `path` (atomically: a temporary file, then a rename)."""
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler ({compiler!r} is not on PATH)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib = cpp_extension.library_paths()[0]
+    sources = [str(_HERE / name) for name in SOURCES if name.endswith(".cpp")]
+    command = [compiler, *FLAGS, *includes, *sources, f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    command += ["-ltorch", "-ltorch_cpu", "-lc10", "-o", str(temporary)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        temporary.unlink(missing_ok=True)
+        raise BuildError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(temporary, path)
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Load the library (building it if needed); False, logged once, if it cannot be."""
+    path = library_path()
+    try:
+        if not path.exists():
+            started = time.monotonic()
+            build(path)
+            log.info("built the native kernels in %.1f s: %s", time.monotonic() - started, path)
+        torch.ops.load_library(str(path))
+    except (BuildError, OSError) as error:
+        log.warning("native kernels unavailable, decoding on the eager torch path: %s", error)
+        return False
+    return True

@@ -1,0 +1,116 @@
+"""The fused lone decode (engine/fused_decode.py, kernels/) against the eager layers it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_fixtures import assert_pool_clean, default_engine, default_tokenizer, run_to_completion
+from prefixcache.engine import kernels
+from prefixcache.engine.compute_threads import release_pool
+from prefixcache.engine.fused_decode import fused_applies
+from prefixcache.engine.sampling import SamplingParams
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Write a haiku about the sea.",
+)
+# Nats. The int4 kernel rounds every projection to bf16, so fp32 sums taken in another order
+# (the C++ norms and attention) flip a few roundings, which grow over 30 layers and the
+# steps: the eager path itself, lone against batched, differs by up to 0.05 on these prompts.
+LOGPROB_TOLERANCE = 0.15
+
+
+def _greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _run(fused: bool, requests: list[tuple[str, list[int], int]], stagger: int = 0) -> dict:
+    """Per request, each step's (token, its logprob, the runner-up's logprob); the later
+    requests join `stagger` steps after the first."""
+    engine = default_engine()
+    engine.config.fused_decode = fused
+    try:
+        first, *rest = requests
+        engine.add_request(first[0], first[1], _greedy(first[2]))
+        finals = {}
+        for _ in range(stagger):
+            for output in engine.step():
+                finals[output.request_id] = output
+        for request_id, prompt, tokens in rest:
+            engine.add_request(request_id, prompt, _greedy(tokens))
+        finals.update(run_to_completion(engine))
+        assert_pool_clean(engine)
+    finally:
+        engine.config.fused_decode = True
+    return {
+        rid: [(lp.token_id, lp.logprob, lp.top[1][1]) for lp in out.outputs[0].logprobs]
+        for rid, out in finals.items()
+    }
+
+
+def _assert_same(fused: dict, eager: dict) -> None:
+    """Same tokens with close logprobs, up to a step where eager's top two are a near tie."""
+    assert fused.keys() == eager.keys()
+    for rid, steps in eager.items():
+        for i, ((token, logprob, runner_up), (f_token, f_logprob, _)) in enumerate(
+            zip(steps, fused[rid], strict=True)
+        ):
+            if f_token != token:  # a flip is only allowed where the choice was a coin toss
+                assert logprob - runner_up < 2 * LOGPROB_TOLERANCE, (rid, i)
+                assert i >= 4, (rid, i)
+                break
+            assert abs(f_logprob - logprob) < LOGPROB_TOLERANCE, (rid, i, f_logprob, logprob)
+
+
+def test_the_native_kernels_load_and_the_default_model_decodes_fused() -> None:
+    assert kernels.available(), "the native kernels did not build or load (see the log)"
+    assert kernels.library_path().exists()
+    engine = default_engine()
+    assert fused_applies(engine.model, engine.kv_store)
+
+
+def test_a_lone_decode_gives_the_eager_tokens_and_logprobs() -> None:
+    tokenizer = default_tokenizer()
+    requests = [(f"r{i}", tokenizer.encode(p), 40) for i, p in enumerate(PROMPTS)]
+    for request in requests:  # one at a time: every decode step is lone
+        _assert_same(_run(True, [request]), _run(False, [request]))
+
+
+def test_a_decode_that_turns_lone_after_a_batch_rebuilds_its_copy_the_same_way() -> None:
+    tokenizer = default_tokenizer()
+    long, short = tokenizer.encode(PROMPTS[0]), tokenizer.encode(PROMPTS[1])
+    # `a` decodes alone, then beside `b` (paged attention), then alone again from the pool
+    requests = [("a", long, 48), ("b", short, 12)]
+    fused, eager = _run(True, requests, stagger=6), _run(False, requests, stagger=6)
+    _assert_same(fused, eager)
+
+
+def test_the_op_names_the_shape_it_refuses() -> None:
+    assert kernels.available()
+    engine = default_engine()
+    layer = engine.model.layers[0]
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    keys = torch.zeros(3, 8, 64)
+    with pytest.raises(RuntimeError, match=r"length 9 outside 1\.\.8"):
+        torch.ops.prefixcache.decode_layer(
+            torch.zeros(1, 576), layer.input_layernorm, layer.post_attention_layernorm,
+            layer.eps, [x.packed for x in linears], [x.scales_and_zeros for x in linears],
+            torch.zeros(64), torch.zeros(64), keys, keys.clone(), 9,
+            engine.kv_store.layers[0], 0, 16, layer.num_heads, layer.scale,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="qkv, o, gate_up and down expected"):
+        torch.ops.prefixcache.decode_layer(
+            torch.zeros(1, 576), layer.input_layernorm, layer.post_attention_layernorm,
+            layer.eps, [], [], torch.zeros(64), torch.zeros(64), keys, keys.clone(), 1,
+            engine.kv_store.layers[0], 0, 16, layer.num_heads, layer.scale,
+        )  # fmt: skip
+
+
+def test_releasing_this_threads_openmp_pool_leaves_torch_computing() -> None:
+    a = torch.randn(512, 512)
+    expected = a @ a
+    assert release_pool()  # torch's libgomp is loaded and knows OpenMP 5's pause
+    assert torch.equal(a @ a, expected)  # the pool comes back on the next parallel op
+    assert release_pool()
