@@ -87,25 +87,27 @@ def test_a_decode_that_turns_lone_after_a_batch_rebuilds_its_copy_the_same_way()
     _assert_same(fused, eager)
 
 
-def test_the_op_names_the_shape_it_refuses() -> None:
-    assert kernels.available()
-    engine = default_engine()
+def _call_op(engine, keys: torch.Tensor, length: int, norms=None) -> None:
     layer = engine.model.layers[0]
     linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
-    keys = torch.zeros(3, 8, 64)
+    torch.ops.prefixcache.decode_layers(
+        torch.zeros(1, 576),
+        [layer.input_layernorm, layer.post_attention_layernorm] if norms is None else norms,
+        [x.packed for x in linears], [x.scales_and_zeros for x in linears],
+        torch.zeros(64), torch.zeros(64), [keys], [keys.clone()], [engine.kv_store.layers[0]],
+        length, 0, 16, layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale,
+    )  # fmt: skip
+
+
+def test_the_op_names_what_it_refuses() -> None:
+    assert kernels.available()
+    engine = default_engine()
     with pytest.raises(RuntimeError, match=r"length 9 outside 1\.\.8"):
-        torch.ops.prefixcache.decode_layer(
-            torch.zeros(1, 576), layer.input_layernorm, layer.post_attention_layernorm,
-            layer.eps, [x.packed for x in linears], [x.scales_and_zeros for x in linears],
-            torch.zeros(64), torch.zeros(64), keys, keys.clone(), 9,
-            engine.kv_store.layers[0], 0, 16, layer.num_heads, layer.scale,
-        )  # fmt: skip
-    with pytest.raises(RuntimeError, match="qkv, o, gate_up and down expected"):
-        torch.ops.prefixcache.decode_layer(
-            torch.zeros(1, 576), layer.input_layernorm, layer.post_attention_layernorm,
-            layer.eps, [], [], torch.zeros(64), torch.zeros(64), keys, keys.clone(), 1,
-            engine.kv_store.layers[0], 0, 16, layer.num_heads, layer.scale,
-        )  # fmt: skip
+        _call_op(engine, torch.zeros(3, 8, 64), 9)
+    with pytest.raises(RuntimeError, match=r"keys, values must be \[3, capacity, 64\]"):
+        _call_op(engine, torch.zeros(2, 8, 64), 1)
+    with pytest.raises(RuntimeError, match="per layer: 2 norms, 4 projections"):
+        _call_op(engine, torch.zeros(3, 8, 64), 1, norms=[])
 
 
 def test_releasing_this_threads_openmp_pool_leaves_torch_computing() -> None:

@@ -47,28 +47,48 @@ def fused_decode(
     kv_store: KVStore,
 ) -> torch.Tensor:
     """Run every layer on the lone decoding token's residual `h` `[1, hidden]`, in place."""
-    lone, decode_layer = model.lone, torch.ops.prefixcache.decode_layer
+    lone, first = model.lone, model.layers[0]
     cos, sin = (t.reshape(-1) for t in model.rotary(positions, torch.float32))
     k_row, v_row = kv_store.rows_of(int(metadata.slot_mapping[0]))
-    for i, layer in enumerate(model.layers):
-        keys, values = lone.refill(i, kv_store.layers[i])
-        linears = [getattr(layer, p) for p in _PROJECTIONS]
-        decode_layer(
-            h,
-            layer.input_layernorm,
-            layer.post_attention_layernorm,
-            layer.eps,
-            [linear.packed for linear in linears],
-            [linear.scales_and_zeros for linear in linears],
-            cos,
-            sin,
-            keys,
-            values,
-            lone.length,
-            kv_store.layers[i],
-            k_row,
-            v_row,
-            layer.num_heads,
-            layer.scale,
-        )
+    for i, cache in enumerate(kv_store.layers):
+        lone.refill(i, cache)
+    w = _weights(model)
+    torch.ops.prefixcache.decode_layers(
+        h, w.norms, w.packed, w.pairs, cos, sin, lone.keys, lone.values, kv_store.layers,
+        lone.length, k_row, v_row, first.num_heads, first.num_kv_heads, first.eps, first.scale,
+    )  # fmt: skip
     return h
+
+
+class FusedWeights:
+    """Per layer, its 2 norms and its 4 projections' packed codes and scale/zero pairs, as
+    the flat lists the op takes; with what they were built from, to notice a change."""
+
+    __slots__ = ("linears", "norm_pointers", "norms", "packed", "pairs")
+
+    def __init__(self, linears: tuple[Int4Linear, ...], norms: list[torch.Tensor]) -> None:
+        self.linears = linears
+        self.norm_pointers = [n.data_ptr() for n in norms]
+        self.norms = norms
+        self.packed = [linear.packed for linear in linears]
+        self.pairs = [linear.scales_and_zeros for linear in linears]
+
+    def built_from(self, linears: tuple[Int4Linear, ...], norms: list[torch.Tensor]) -> bool:
+        return (
+            len(linears) == len(self.linears)
+            and all(a is b for a, b in zip(linears, self.linears, strict=True))
+            and [n.data_ptr() for n in norms] == self.norm_pointers
+        )
+
+
+def _weights(model: LlamaModel) -> FusedWeights:
+    """The model's `FusedWeights`, built once, and again if a layer's weights were replaced."""
+    linears = tuple(getattr(layer, p) for layer in model.layers for p in _PROJECTIONS)
+    norms = [
+        n.data
+        for layer in model.layers
+        for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
+    if model.fused_weights is None or not model.fused_weights.built_from(linears, norms):
+        model.fused_weights = FusedWeights(linears, norms)
+    return model.fused_weights

@@ -11,7 +11,7 @@ from torch import nn
 
 from prefixcache.engine.attention import AttentionMetadata, lone_attention, paged_attention
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.fused_decode import fused_applies, fused_decode
+from prefixcache.engine.fused_decode import FusedWeights, fused_applies, fused_decode
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.lone_decode import LoneDecode
@@ -191,6 +191,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.head: DenseLinear | Int4Head = DenseLinear(self._head_weight())
         self.lone = LoneDecode()
+        self.fused_weights: FusedWeights | None = None  # built on the first fused decode
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -24,12 +24,11 @@ struct LayerShape {
   float eps, scale;
 };
 
-// Where this token's K/V go: the lone copy ([kv, capacity, dim], `length` tokens once this
-// one is in) and its two rows of the paged cache.
+// Where this token's K/V go: the lone copy (`keys`, `values` [kv, capacity, dim], `length`
+// tokens once this one is in) and its two rows of the paged cache.
 struct KVTarget {
-  float* keys;
-  float* values;
-  int64_t capacity, length;
+  at::Tensor keys, values;
+  int64_t length;
   float* cache_k_row;
   float* cache_v_row;
 };

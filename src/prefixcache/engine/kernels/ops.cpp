@@ -1,4 +1,4 @@
-// torch.ops.prefixcache.decode_layer: the fused lone-decode layer's checked entry point.
+// torch.ops.prefixcache.decode_layers: the fused lone decode's checked entry point.
 #include <torch/library.h>
 
 #include "decode_layer.h"
@@ -21,46 +21,71 @@ Int4Projection projection(const at::Tensor& packed, const at::Tensor& pairs, int
   return {packed, pairs};
 }
 
-void decode_layer_op(at::Tensor& h, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                     double eps, at::TensorList packed, at::TensorList pairs,
-                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
-                     at::Tensor& values, int64_t length, at::Tensor& cache, int64_t k_row,
-                     int64_t v_row, int64_t heads, double scale) {
-  TORCH_CHECK(packed.size() == 4 && pairs.size() == 4, "qkv, o, gate_up and down expected");
-  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "keys, values: [kv, cap, dim]");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "h must be one row [1, hidden]");
-  int64_t hidden = h.size(1), kv_heads = keys.size(0), capacity = keys.size(1);
-  int64_t dim = keys.size(2), intermediate = packed[3].size(1) * 2;
-  TORCH_CHECK(length >= 1 && length <= capacity, "length ", length, " outside 1..", capacity);
-  TORCH_CHECK(packed[0].size(0) == (heads + 2 * kv_heads) * dim &&
-                  packed[2].size(0) == 2 * intermediate && packed[1].size(0) == hidden,
-              "projection shapes do not match the heads and the hidden size");
-  LayerWeights w{floats(input_norm, hidden, "input_norm"), floats(post_norm, hidden, "post_norm"),
-                 projection(packed[0], pairs[0], hidden),
-                 projection(packed[1], pairs[1], heads * dim),
-                 projection(packed[2], pairs[2], hidden),
-                 projection(packed[3], pairs[3], intermediate)};
-  LayerShape s{hidden, heads, kv_heads, dim, intermediate, static_cast<float>(eps),
-               static_cast<float>(scale)};
-  int64_t row = kv_heads * dim, rows = cache.numel() / row;
+// One layer's weights from the flat lists: 2 norms, then 4 projections, per layer.
+LayerWeights layer_weights(at::TensorList norms, at::TensorList packed, at::TensorList pairs,
+                           int64_t layer, const LayerShape& s) {
+  const at::Tensor* p = packed.data() + 4 * layer;
+  const at::Tensor* z = pairs.data() + 4 * layer;
+  TORCH_CHECK(p[0].size(0) == (s.heads + 2 * s.kv_heads) * s.head_dim &&
+                  p[1].size(0) == s.hidden && p[2].size(0) == 2 * s.intermediate &&
+                  p[3].size(0) == s.hidden,
+              "layer ", layer, ": projection shapes do not match the heads and the hidden size");
+  return {floats(norms[2 * layer], s.hidden, "input_norm"),
+          floats(norms[2 * layer + 1], s.hidden, "post_norm"),
+          projection(p[0], z[0], s.hidden), projection(p[1], z[1], s.heads * s.head_dim),
+          projection(p[2], z[2], s.hidden), projection(p[3], z[3], s.intermediate)};
+}
+
+// This token's K/V targets in one layer: its lone copy and its two rows of the pool.
+KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& cache,
+                   int64_t length, int64_t k_row, int64_t v_row, const LayerShape& s) {
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.size(0) == s.kv_heads &&
+                  keys.size(2) == s.head_dim,
+              "keys, values must be [", s.kv_heads, ", capacity, ", s.head_dim, "]");
+  TORCH_CHECK(length >= 1 && length <= keys.size(1), "length ", length, " outside 1..",
+              keys.size(1));
+  int64_t row = s.kv_heads * s.head_dim, rows = cache.numel() / row;
   TORCH_CHECK(k_row >= 0 && k_row < rows && v_row >= 0 && v_row < rows, "cache row out of range");
   float* flat = floats(cache, row, "cache");
-  KVTarget kv{floats(keys, keys.numel(), "keys"), floats(values, values.numel(), "values"),
-              capacity, length, flat + k_row * row, flat + v_row * row};
+  floats(keys, keys.numel(), "keys");
+  floats(values, values.numel(), "values");
+  return {keys, values, length, flat + k_row * row, flat + v_row * row};
+}
+
+void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
+                      at::TensorList pairs, const at::Tensor& cos, const at::Tensor& sin,
+                      at::TensorList keys, at::TensorList values, at::TensorList caches,
+                      int64_t length, int64_t k_row, int64_t v_row, int64_t heads,
+                      int64_t kv_heads, double eps, double scale) {
+  int64_t layers = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(layers > 0 && norms.size() == 2 * caches.size() &&
+                  packed.size() == 4 * caches.size() && pairs.size() == packed.size() &&
+                  keys.size() == caches.size() && values.size() == caches.size(),
+              "per layer: 2 norms, 4 projections (qkv, o, gate_up, down), keys, values, cache");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "h must be one row [1, hidden]");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must group by kv_heads");
+  int64_t hidden = h.size(1), dim = keys[0].size(-1), intermediate = packed[3].size(1) * 2;
+  LayerShape s{hidden, heads, kv_heads, dim, intermediate, static_cast<float>(eps),
+               static_cast<float>(scale)};
   floats(h, hidden, "h");
-  decode_layer(h, w, s, floats(cos, dim, "cos"), floats(sin, dim, "sin"), kv);
+  const float* c = floats(cos, dim, "cos");
+  const float* sn = floats(sin, dim, "sin");
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    LayerWeights w = layer_weights(norms, packed, pairs, layer, s);
+    KVTarget kv = kv_target(keys[layer], values[layer], caches[layer], length, k_row, v_row, s);
+    decode_layer(h, w, s, c, sn, kv);
+  }
 }
 
 }  // namespace
 
 TORCH_LIBRARY(prefixcache, m) {
   m.def(
-      "decode_layer(Tensor(a!) h, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor[] packed, Tensor[] scales_and_zeros, Tensor cos, Tensor sin, Tensor(b!) keys, "
-      "Tensor(c!) values, int length, Tensor(d!) cache, int k_row, int v_row, int heads, "
-      "float scale) -> ()");
+      "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
+      "Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor(d!)[] caches, "
+      "int length, int k_row, int v_row, int heads, int kv_heads, float eps, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(prefixcache, CPU, m) { m.impl("decode_layer", decode_layer_op); }
+TORCH_LIBRARY_IMPL(prefixcache, CPU, m) { m.impl("decode_layers", decode_layers_op); }
 
 }  // namespace prefixcache
