@@ -1,163 +1,248 @@
-"""Side by side with llama.cpp (llama-cpp-python) on the same GGUF, prompts and threads.
+"""One stream, and a shared document, against llama.cpp's own server, over HTTP (issue 27).
 
-Issue 12's cases, measured in one run: a 540-token document followed by 16 different
-questions, 8 tokens out, greedy (EOS ignored on both sides), the same token ids fed to both:
-  - one at a time: each request after the previous finished (llama.cpp reuses the longest
-    prefix of its previous prompt, as llama-server's prompt cache does; we use the prefix
-    cache), total seconds and TTFT p50 of the 15 requests whose document is cached;
-  - 16 at once: ours submits all 16 together; llama-cpp-python has no parallel slots, so it
-    serves them one after another without reuse across them (llama-server's slots do not
-    share a prefix either, but would batch the decode steps);
-  - single-sequence decode tokens/s (64 tokens after the first).
-The llama.cpp side runs in its own venv (`make bench-peers` builds `.venv-peers`); without
-it this prints our side and says how to get the other.
+Each case starts a fresh server and talks to it as a client would, over loopback HTTP, with
+the same GGUF (the default model, Q4_1), the same threads, greedy decoding and EOS ignored,
+and the same token ids as prompts (`/v1/completions` takes a list of ids on all sides):
+  - start-up: process start to `/health` ok;
+  - decode: one stream of 128 tokens, tokens/s after the first (median of 3);
+  - short-prompt TTFT: 6 different prompts of ~10 tokens, one at a time, median;
+  - a 540-token document followed by 16 different questions, 8 tokens out:
+    one at a time (total, and TTFT p50 of the 15 requests whose document is cached:
+    llama-server reuses the longest prefix of its slot's previous prompt) and 16 at once;
+  - ours, 16 at once with prefix caching off, for what the cache buys.
+The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
+slots, `--no-repack`: ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
+where `make bench-peers` built `.venv-peers`, llama-cpp-python's server. Ratios > 1: we are
+faster. One run: the machine is shared, so compare the ratios, not the seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-PEER_PYTHON = Path(__file__).resolve().parent.parent / ".venv-peers" / "bin" / "python"
+import httpx
+
+from llama_server import ensure_built
+from servers import free_port, interrupt
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+DECODE_PROMPTS = (
+    "Once upon a time, in a small village,",
+    "Write a short story about a robot who",
+    "The history of the printing press begins",
+)
+SHORT_PROMPTS = (  # each seen once per server: nothing cached
+    "The capital of France is",
+    "The three primary colours are",
+    "def add(a, b):",
+    "Water boils at a temperature of",
+    "The quick brown fox jumps over",
+    "My favourite season of the year is",
+)
+DECODE_TOKENS = 128
+Starter = Callable[[int], subprocess.Popen]
 
 
-# ---------------------------------------------------------------- llama.cpp side (peer venv)
+def our_server(threads: int, caching: bool = True) -> Starter:
+    """`make serve`'s command line (a disk tier in a temporary folder) on `port`."""
+
+    def start(port: int) -> subprocess.Popen:
+        tier = tempfile.mkdtemp(prefix="peers-tier-")
+        command = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1"]
+        command += ["--port", str(port), "--threads", str(threads), "--kv-tier", f"disk:{tier}"]
+        command += [] if caching else ["--no-prefix-caching"]
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    return start
 
 
-def peer_main() -> None:
-    """Read a job (model, threads, prompts) as JSON on stdin; print the timings as JSON."""
-    import llama_cpp.llama_cpp as llama_cpp  # the bindings `Llama` reads its defaults from
-    from llama_cpp import Llama
+def llama_server(binary: Path, model: Path, threads: int) -> Starter:
+    def start(port: int) -> subprocess.Popen:
+        command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        command += ["-t", str(threads), "-tb", str(threads), "-c", "16384", "-np", "16"]
+        command += ["--no-repack"]
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    # ggml's AMX matmul (an "extra buffer type") segfaults on this GGUF on this machine's
-    # CPU; without extra buffer types llama.cpp runs its plain AVX-512 Q4_1/Q8_0 kernels.
-    default_params = llama_cpp.llama_model_default_params
-
-    def model_params() -> llama_cpp.llama_model_params:
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    llama_cpp.llama_model_default_params = model_params
-    job = json.load(sys.stdin)
-    threads = job["threads"]
-    llm = Llama(
-        model_path=job["model"],
-        n_ctx=job["n_ctx"],
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-    prompts, max_tokens = job["prompts"], job["max_tokens"]
-    complete(llm, prompts[0], 2, reuse=False)  # warm-up
-    json.dump(peer_cases(llm, prompts, max_tokens), sys.stdout)
+    return start
 
 
-def complete(llm, prompt: list[int], max_tokens: int, reuse: bool) -> tuple[float, float]:
-    """Greedy tokens for `prompt` (EOS ignored): (TTFT, total seconds)."""
-    if not reuse:
-        llm.reset()
-    start = time.perf_counter()
-    first = None
-    for count, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
-        if first is None:
-            first = time.perf_counter() - start
-        if count == max_tokens:
-            break
-    return first, time.perf_counter() - start
+def llama_cpp_python(python: Path, model: Path, threads: int) -> Starter:
+    def start(port: int) -> subprocess.Popen:
+        command = [str(python), "-m", "llama_cpp.server", "--model", str(model)]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads)]
+        command += ["--n_threads_batch", str(threads), "--n_ctx", "4096"]
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    return start
 
 
-def peer_cases(llm, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The same cases as `document_cases` in benchmarks/engine.py."""
-    llm.reset()
-    start = time.perf_counter()
-    ttfts = [complete(llm, p, max_tokens, reuse=True)[0] for p in prompts]
-    one = {"seconds": time.perf_counter() - start, "ttft_p50": _median(ttfts[1:])}
-    start = time.perf_counter()
-    for prompt in prompts:
-        complete(llm, prompt, max_tokens, reuse=False)
-    many = {"seconds": time.perf_counter() - start}
-    ttft, total = complete(llm, prompts[0], 65, reuse=False)
-    decode = {"tokens_per_s": 64 / (total - ttft)}
-    return {"one at a time": one, "16 at once": many, "decode": decode}
+class Server:
+    """A fresh server for one case: started, timed to healthy, stopped on exit."""
+
+    def __init__(self, start: Starter) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        began = time.perf_counter()
+        self.process = start(self.port)
+        self.startup = self._wait_healthy(began)
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def _wait_healthy(self, began: float) -> float:
+        with httpx.Client(timeout=2) as client:
+            while time.perf_counter() - began < 300:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.process.returncode}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return time.perf_counter() - began
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.02)
+        raise RuntimeError("server not healthy after 300 s")
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        interrupt(self.process)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+def complete(client: httpx.Client, server: Server, prompt: list[int], tokens: int) -> dict:
+    """One streamed greedy completion: seconds to the first token and to the last."""
+    url = server.url
+    body = {"model": server.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    began = time.perf_counter()
+    first = last = None
+    # A connection per request: llama-server closes a kept-alive one after a stream.
+    headers = {"Connection": "close"}
+    with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.read()[:300]!r}")
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+    if first is None:
+        raise RuntimeError(f"{url}: no tokens came back")
+    return {"ttft": first - began, "total": last - began, "decode": last - first}
 
 
-# ---------------------------------------------------------------- our side (project venv)
+def stream_cases(start: Starter, decode: list[list[int]], short: list[list[int]]) -> dict:
+    """Start-up, one stream's decode speed and short-prompt TTFT, on one fresh server."""
+    with Server(start) as server, httpx.Client(timeout=300) as client:
+        complete(client, server, [1, 2, 3], 4)  # warm-up
+        rates = []
+        for prompt in decode:
+            timing = complete(client, server, prompt, DECODE_TOKENS)
+            rates.append((DECODE_TOKENS - 1) / timing["decode"])
+        ttfts = [complete(client, server, p, 1)["ttft"] for p in short]
+        return {
+            "startup": server.startup,
+            "decode": statistics.median(rates),
+            "short_ttft": statistics.median(ttfts),
+        }
 
 
-def run_peer(python: Path, job: dict) -> dict:
-    """The llama.cpp side in its own interpreter."""
-    proc = subprocess.run(
-        [str(python), __file__, "--peer"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode:
-        raise RuntimeError(f"the llama.cpp side failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+def one_at_a_time(start: Starter, prompts: list[list[int]]) -> dict:
+    with Server(start) as server, httpx.Client(timeout=300) as client:
+        complete(client, server, [1, 2, 3], 2)  # warm-up, nothing shared with the prompts
+        began = time.perf_counter()
+        ttfts = [complete(client, server, p, 8)["ttft"] for p in prompts]
+        return {"seconds": time.perf_counter() - began, "cached_ttft": statistics.median(ttfts[1:])}
 
 
-def ratio_lines(ours: dict, theirs: dict) -> list[str]:
-    """Each case with llama.cpp's number and our speed relative to it (> 1: we are faster)."""
-    rows = [
-        ("one at a time, total", "one at a time", "seconds", "s", False),
-        ("cached-request TTFT p50", "one at a time", "ttft_p50", "s", False),
-        ("16 at once, total", "16 at once", "seconds", "s", False),
-        ("single-sequence decode", "decode", "tokens_per_s", " tok/s", True),
-    ]
-    lines = [f"  {'case':<26} {'prefixcache':>14} {'llama.cpp':>14}   speed ratio"]
-    for label, case, key, unit, higher_is_better in rows:
-        a, b = ours[case][key], theirs[case][key]
-        speed = a / b if higher_is_better else b / a
-        lines.append(f"  {label:<26} {a:>9.3f}{unit:<5} {b:>9.3f}{unit:<5}   {speed:5.2f}x")
+def at_once(start: Starter, prompts: list[list[int]]) -> dict:
+    with Server(start) as server, httpx.Client(timeout=600, limits=_limits()) as client:
+        complete(client, server, [1, 2, 3], 2)
+        began = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(lambda p: complete(client, server, p, 8), prompts))
+        return {"seconds": time.perf_counter() - began}
+
+
+def _limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=32, max_keepalive_connections=32)
+
+
+def measure(start: Starter, streams: tuple[list[list[int]], ...], prompts: list[list[int]]) -> dict:
+    return {
+        **stream_cases(start, *streams),
+        "one": one_at_a_time(start, prompts),
+        "many": at_once(start, prompts),
+    }
+
+
+ROWS = (  # label, value, unit, higher is better
+    ("start-up to /health", lambda r: r["startup"], "s", False),
+    ("decode, one stream", lambda r: r["decode"], "tok/s", True),
+    ("short-prompt TTFT", lambda r: r["short_ttft"] * 1e3, "ms", False),
+    ("16 one at a time, total", lambda r: r["one"]["seconds"], "s", False),
+    ("  cached-request TTFT p50", lambda r: r["one"]["cached_ttft"] * 1e3, "ms", False),
+    ("16 at once, total", lambda r: r["many"]["seconds"], "s", False),
+)
+
+
+def table(results: dict[str, dict]) -> list[str]:
+    """One row per case, one column per server, then our speed ratio to each peer."""
+    names = list(results)
+    peers = names[1:]
+    head = f"  {'case':<27}" + "".join(f"{n:>17}" for n in names)
+    head += "".join(f"{'vs ' + p:>18}" for p in peers)
+    lines = [head]
+    for label, value, unit, higher in ROWS:
+        ours = value(results[names[0]])
+        row = f"  {label:<27}" + "".join(f"{value(results[n]):>11.3g} {unit:<5}" for n in names)
+        for peer in peers:
+            theirs = value(results[peer])
+            ratio = ours / theirs if higher else theirs / ours
+            row += f"{ratio:>17.2f}x"
+        lines.append(row)
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="every side")
     parser.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
-    parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, help="both sides (default: torch's choice)")
     args = parser.parse_args()
-    if args.peer:
-        peer_main()
-        return
-    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine import document_prompts
+    from prefixcache.engine.model_files import default_model_path, load_tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    from engine import document_cases, document_lines, document_prompts
-    from prefixcache import LLM
-    from prefixcache.engine.model_files import default_model_path
-
-    threads = torch.get_num_threads()
-    llm = LLM()
-    prompts = document_prompts(llm.tokenizer)
-    document_cases(llm, prompts[:2])  # warm-up
-    ours = document_cases(llm, prompts)
-    print(f"prefixcache vs llama.cpp, default model, {threads} threads, one run")
-    print("\n".join(document_lines(ours)))
-    if not args.peer_python.exists():
-        print(f"llama.cpp side skipped: {args.peer_python} not found (run `make bench-peers`)")
-        return
-    del llm
-    job = {"model": str(default_model_path()), "threads": threads, "n_ctx": 4096}
-    theirs = run_peer(args.peer_python, {**job, "prompts": prompts, "max_tokens": 8})
-    print("\n".join(ratio_lines(ours, theirs)))
+    tokenizer = load_tokenizer()
+    streams = tuple(
+        [tokenizer.encode(t) for t in texts] for texts in (DECODE_PROMPTS, SHORT_PROMPTS)
+    )
+    prompts = document_prompts(tokenizer)
+    model, threads = default_model_path(), args.threads
+    servers = {
+        "prefixcache": our_server(threads),
+        "llama-server": llama_server(ensure_built(), model, threads),
+    }
+    if args.peer_python.exists():
+        servers["llama-cpp-python"] = llama_cpp_python(args.peer_python, model, threads)
+    print(f"prefixcache vs llama.cpp over HTTP: {model.name}, {threads} threads, one run")
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    results = {name: measure(start, streams, prompts) for name, start in servers.items()}
+    print("\n".join(table(results)))
+    off = at_once(our_server(threads, caching=False), prompts)["seconds"]
+    on = results["prefixcache"]["many"]["seconds"]
+    print(f"  ours, 16 at once: caching off {off:.2f} s, on {on:.2f} s: {off / on:.2f}x")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from prefixcache.cache.retention import Keep
 from prefixcache.engine.compute_threads import release_pool
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("prefixcache.engine")
 IDLE_REFRESH_SECONDS = 1.0  # with a tier, an idle engine republishes this often

@@ -31,7 +31,8 @@ from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.model import LlamaModel
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
-from prefixcache.engine.sampling import History, SamplingParams, sample
+from prefixcache.engine.sampling import History, sample
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler
 from prefixcache.engine.scrub import BlockScrubber
 from prefixcache.engine.snapshot import EngineSnapshot, take_snapshot

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.request import RequestOutput
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.weights import load_model
 
 Prompt = str | list[int]

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from prefixcache.cache import Sequence
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.logprobs import Logprob
-from prefixcache.engine.sampling import SamplingParams, make_generator
+from prefixcache.engine.sampling import make_generator
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.stop_holdback import releasable_length, released_tokens, visible_tokens
 from prefixcache.engine.tokenizer import IncrementalDecoder
 

@@ -27,7 +27,7 @@ from prefixcache.cache.retention import Keep
 from prefixcache.engine.async_engine import AddRequest, AsyncLLMEngine, RequestStream
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol import openapi
 from prefixcache.protocol.admission import InFlight, Ticket
 from prefixcache.protocol.anthropic_schemas import MessagesRequest

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import replace
 
 from prefixcache.cache.retention import Keep
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol import tool_prompt
 from prefixcache.protocol.anthropic_blocks import TOOLS, Breakpoint, conversation

@@ -10,11 +10,14 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prefixcache.engine.logprobs import Logprob
-from prefixcache.engine.request import CompletionOutput, RequestOutput
-from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
+
+if TYPE_CHECKING:  # annotations only: the preparation processes import this without torch
+    from prefixcache.engine.logprobs import Logprob
+    from prefixcache.engine.request import CompletionOutput, RequestOutput
+    from prefixcache.engine.tokenizer import Tokenizer
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.grammar import grammar_cache
-from prefixcache.engine.sampling import SamplingParams, fold_seed
+from prefixcache.engine.sampling_params import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol import tool_prompt, tool_schemas
 from prefixcache.protocol.constraints import Constraint

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.responses_schemas import ResponsesRequest
 from prefixcache.protocol.tool_prompt import Call, Turn

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache.cache.common import cdiv
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.tools.request_file import InputError, parse_request, tokenize
 
 FILE_FIELDS = ("id", "max_tokens", "n", "seed", "temperature", "round", "continues")
