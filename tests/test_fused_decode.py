@@ -8,7 +8,7 @@ import torch
 from engine_fixtures import assert_pool_clean, default_engine, default_tokenizer, run_to_completion
 from prefixcache.engine import kernels
 from prefixcache.engine.compute_threads import release_pool
-from prefixcache.engine.fused_decode import fused_applies
+from prefixcache.engine.fused_decode import MAX_FUSED_ROWS, fused_applies
 from prefixcache.engine.sampling import SamplingParams
 
 PROMPTS = (
@@ -78,6 +78,34 @@ def test_a_lone_decode_gives_the_eager_tokens_and_logprobs() -> None:
         _assert_same(_run(True, [request]), _run(False, [request]))
 
 
+def _sequential(fused: bool, prompts: list[list[int]], tokens: int) -> dict:
+    """`_run` for each prompt after the previous one finished, on one engine (cache kept)."""
+    engine = default_engine()
+    engine.config.fused_decode = fused
+    results = {}
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", prompt, _greedy(tokens))
+            for rid, out in run_to_completion(engine).items():
+                results[rid] = [
+                    (lp.token_id, lp.logprob, lp.top[1][1]) for lp in out.outputs[0].logprobs
+                ]
+        hits = engine.manager.stats.hits
+        assert_pool_clean(engine)
+    finally:
+        engine.config.fused_decode = True
+    assert hits > 0  # the later prompts found the shared prefix cached
+    return results
+
+
+def test_a_short_suffix_after_a_cached_prefix_runs_fused_with_the_eager_numbers() -> None:
+    tokenizer = default_tokenizer()
+    prefix = tokenizer.encode("A list of facts about the planets of the solar system. " * 4)
+    prompts = [prefix + tokenizer.encode(q) for q in (" Mars is", " Jupiter has", " Venus")]
+    assert all(len(p) - len(prefix) <= MAX_FUSED_ROWS for p in prompts)
+    _assert_same(_sequential(True, prompts, 16), _sequential(False, prompts, 16))
+
+
 def test_a_decode_that_turns_lone_after_a_batch_rebuilds_its_copy_the_same_way() -> None:
     tokenizer = default_tokenizer()
     long, short = tokenizer.encode(PROMPTS[0]), tokenizer.encode(PROMPTS[1])
@@ -94,8 +122,9 @@ def _call_op(engine, keys: torch.Tensor, length: int, norms=None) -> None:
         torch.zeros(1, 576),
         [layer.input_layernorm, layer.post_attention_layernorm] if norms is None else norms,
         [x.packed for x in linears], [x.scales_and_zeros for x in linears],
-        torch.zeros(64), torch.zeros(64), [keys], [keys.clone()], [engine.kv_store.layers[0]],
-        length, 0, 16, layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale,
+        torch.zeros(1, 64), torch.zeros(1, 64), [keys], [keys.clone()],
+        [engine.kv_store.layers[0]], length, torch.tensor([[0, 16]]), layer.num_heads,
+        layer.num_kv_heads, layer.eps, layer.scale,
     )  # fmt: skip
 
 

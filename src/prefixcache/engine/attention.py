@@ -87,7 +87,9 @@ class AttentionMetadata:
     prefills: tuple[PrefillSeq, ...]
     shared_prefixes: tuple[SharedPrefix, ...] = ()
     shared_decode: DecodeBatch | None = None  # group members' decode rows, past the prefix
-    lone_table: tuple[int, ...] | None = None  # blocks of a lone decode row (lone_decode.py)
+    lone_table: tuple[int, ...] | None = (
+        None  # one sequence's blocks, alone in the batch (lone_decode.py)
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +131,7 @@ class AttentionMetadata:
                 key_starts[i] = num_blocks * block_size
         parts = _Parts(query_lens, context_lens, block_tables, block_size, starts, key_starts)
         lone = None
-        if query_lens == [1]:
+        if len(query_lens) == 1:
             lone = tuple(block_tables[0][: cdiv(context_lens[0], block_size)])
         return cls(
             list(query_lens), list(context_lens), block_size,

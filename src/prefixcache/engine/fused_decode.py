@@ -1,11 +1,12 @@
-"""A lone decode's layers as one native call each (`kernels/decode_layer.cpp`).
+"""One sequence's forward, all layers in one native call (`kernels/decode_layer.cpp`).
 
-The eager `DecoderLayer` runs ~25 torch ops per layer, and for one token their Python and
+The eager `DecoderLayer` runs ~25 torch ops per layer, and for a few tokens their Python and
 dispatch overhead costs as much as the matmuls. When the model is fp32 on int4 weights with
-an fp32 KV store, and the native kernels load, a lone decode (`lone_decode.py`) runs each
-layer in one call instead: the same int4 kernel for the projections (the same numbers), the
-norms, RoPE, the K/V stores (lone copy and paged pool) and attention in C++. Anything else
-takes the eager path.
+an fp32 KV store, the native kernels load, and the batch is one sequence adding at most
+`MAX_FUSED_ROWS` tokens (a decode step, or a short prompt or prompt suffix), the layers run
+in one call instead: the same int4 kernel for the projections (the same numbers), norms,
+RoPE, the K/V stores (the sequence's contiguous copy, `lone_decode.py`, and the paged pool)
+and causal attention in C++. Anything else takes the eager path.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import torch
 from prefixcache.engine import kernels
 from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.kv_store import KVStore
-from prefixcache.engine.quant import Int4Linear
+from prefixcache.engine.quant import MAX_INT4_ROWS, Int4Linear
 
 if TYPE_CHECKING:
     from prefixcache.engine.model import LlamaModel
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The eager path runs up to this many rows on the int4 kernel (more on the dense matmul): the
+# fused path takes the same, so both compute a chunk's projections with the same kernel.
+MAX_FUSED_ROWS = MAX_INT4_ROWS
 
 
 def fused_applies(model: LlamaModel, kv_store: KVStore) -> bool:
@@ -46,16 +50,16 @@ def fused_decode(
     metadata: AttentionMetadata,
     kv_store: KVStore,
 ) -> torch.Tensor:
-    """Run every layer on the lone decoding token's residual `h` `[1, hidden]`, in place."""
+    """Run every layer on the new tokens' residual stream `h` `[T, hidden]`, in place."""
     lone, first = model.lone, model.layers[0]
-    cos, sin = (t.reshape(-1) for t in model.rotary(positions, torch.float32))
-    k_row, v_row = kv_store.rows_of(int(metadata.slot_mapping[0]))
+    cos, sin = (t.reshape(len(positions), -1) for t in model.rotary(positions, torch.float32))
+    rows = kv_store.rows_of(metadata.slot_mapping)
     for i, cache in enumerate(kv_store.layers):
         lone.refill(i, cache)
     w = _weights(model)
     torch.ops.prefixcache.decode_layers(
         h, w.norms, w.packed, w.pairs, cos, sin, lone.keys, lone.values, kv_store.layers,
-        lone.length, k_row, v_row, first.num_heads, first.num_kv_heads, first.eps, first.scale,
+        lone.length, rows, first.num_heads, first.num_kv_heads, first.eps, first.scale,
     )  # fmt: skip
     return h
 

@@ -93,11 +93,11 @@ class KVStore:
         flat.index_copy_(0, k_rows, k.to(self.dtype))
         flat.index_copy_(0, v_rows, v.to(self.dtype))
 
-    def rows_of(self, slot: int) -> tuple[int, int]:
-        """The rows of the flattened `[num_blocks * 2 * block_size]` view holding slot's K, V."""
-        block, offset = divmod(slot, self.block_size)
-        k_row = block * 2 * self.block_size + offset
-        return k_row, k_row + self.block_size
+    def rows_of(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """`[T, 2]` int64: each slot's K and V rows of the flattened
+        `[num_blocks * 2 * block_size]` view (what `write` fills)."""
+        k_rows, v_rows = self._rows(slot_mapping)
+        return torch.stack((k_rows, v_rows), 1).contiguous()
 
     def _rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the flattened `[num_blocks * 2 * block_size]` view that hold K and V.

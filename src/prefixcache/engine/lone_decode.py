@@ -7,7 +7,9 @@ sequence (same physical blocks, one token shorter), the copy from that step is s
 exact: positions below the new token never change while a sequence holds its blocks
 (shared blocks are immutable, its own are written only by its own forwards, and copies,
 zeroing and tier loads between steps touch other blocks). Anything else rebuilds the copy
-from the pool, which stays the one source of truth.
+from the pool, which stays the one source of truth. The fused path (fused_decode.py) also
+runs a short chunk of one sequence's prompt this way: the copy then holds its prefix from
+the pool and the chunk's new tokens, ready for the decode steps that follow.
 """
 
 from __future__ import annotations
@@ -24,22 +26,27 @@ class LoneDecode:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.table: tuple[int, ...] = ()
-        self.length = 0  # tokens held, once this forward's token is in
+        self.length = 0  # tokens held, once this forward's tokens are in
+        self.new_tokens = 0  # of which this forward adds
         self.rebuild = True
         self._block_ids = torch.empty(0, dtype=torch.long)
         self._previous_forward = -2
         self._forward = 0
 
-    def prepare(self, metadata: AttentionMetadata, cache: torch.Tensor, num_layers: int) -> bool:
-        """Start a forward; True when it is a lone decode (then `extend` every layer)."""
+    def prepare(
+        self, metadata: AttentionMetadata, cache: torch.Tensor, num_layers: int, max_rows: int = 1
+    ) -> bool:
+        """Start a forward; True when one sequence adds at most `max_rows` tokens (a lone
+        decode when 1), its copy then covering them: `extend` (eager) or `refill` (fused)
+        every layer."""
         self._forward += 1
         table = metadata.lone_table
-        if table is None:
+        if table is None or metadata.query_lens[0] > max_rows:
             return False
-        length = metadata.context_lens[0]
+        length, new = metadata.context_lens[0], metadata.query_lens[0]
         self.rebuild = not (
             self._previous_forward == self._forward - 1
-            and length == self.length + 1
+            and length == self.length + new
             and table[: len(self.table)] == self.table
         )
         if not self.keys or length > self.keys[0].shape[1]:
@@ -47,6 +54,7 @@ class LoneDecode:
         if self.rebuild:
             self._block_ids = torch.tensor(table, dtype=torch.long)
         self.table, self.length, self._previous_forward = table, length, self._forward
+        self.new_tokens = new
         return True
 
     def _allocate(self, length: int, cache: torch.Tensor, num_layers: int) -> None:
@@ -71,9 +79,10 @@ class LoneDecode:
         return keys[None, :, :n], values[None, :, :n]
 
     def refill(self, layer: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a fused decode, which writes this step's token itself: after a rebuild, the
-        tokens before it from the pool; the layer's whole `[kv_heads, capacity, dim]` K, V."""
-        keys, values, n = self.keys[layer], self.values[layer], self.length - 1
+        """For a fused forward, which writes its new tokens itself: after a rebuild, the
+        tokens before them from the pool; the layer's whole `[kv_heads, capacity, dim]` K, V."""
+        keys, values = self.keys[layer], self.values[layer]
+        n = self.length - self.new_tokens
         if self.rebuild and n > 0:
             k_all, v_all = gather_context(cache, self._block_ids, n)
             keys[:, :n].copy_(k_all.transpose(0, 1))

@@ -11,7 +11,12 @@ from torch import nn
 
 from prefixcache.engine.attention import AttentionMetadata, lone_attention, paged_attention
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.fused_decode import FusedWeights, fused_applies, fused_decode
+from prefixcache.engine.fused_decode import (
+    MAX_FUSED_ROWS,
+    FusedWeights,
+    fused_applies,
+    fused_decode,
+)
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.lone_decode import LoneDecode
@@ -207,11 +212,14 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm.
 
-        A lone decode runs its layers fused (`fused_decode.py`) where it can, unless not `fused`.
+        One sequence adding a few tokens runs its layers fused (`fused_decode.py`) where it
+        can, unless not `fused`.
         """
         h = F.embedding(input_ids, self.embed_tokens)
-        is_lone = self.lone.prepare(metadata, kv_store.layers[0], len(self.layers))
-        if is_lone and fused and fused_applies(self, kv_store):
+        use_fused = fused and fused_applies(self, kv_store)
+        max_rows = MAX_FUSED_ROWS if use_fused else 1
+        is_lone = self.lone.prepare(metadata, kv_store.layers[0], len(self.layers), max_rows)
+        if use_fused and is_lone:
             h = fused_decode(self, h, positions, metadata, kv_store)
             return rms_norm(h, self.norm, self.config.rms_norm_eps)
         rope = self.rotary(positions, self.dtype)

@@ -1,6 +1,6 @@
-// model.DecoderLayer's lone decode in one call: the projections on torch's int4 kernel (the
-// same numbers as the eager path), norms, RoPE, the K/V stores and attention in C++ loops,
-// instead of ~25 torch ops, each with its Python and dispatch overhead.
+// model.DecoderLayer for the new tokens of one sequence, in one call: the projections on
+// torch's int4 kernel (the same numbers as the eager path), norms, RoPE, the K/V stores and
+// attention in C++ loops, instead of ~25 torch ops, each with its Python and dispatch cost.
 #include "decode_layer.h"
 
 #include <ATen/Parallel.h>
@@ -16,19 +16,23 @@ namespace {
 
 constexpr int64_t kGroupSize = 32;  // inputs per scale/zero pair (quant.GROUP_SIZE)
 
-// bf16(bf16(x) . W'^T) in fp32, as quant.Int4Linear computes a row.
+// bf16(bf16(x) . W'^T) in fp32, as quant.Int4Linear computes rows.
 at::Tensor project(const at::Tensor& x, const Int4Projection& p) {
-  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), p.packed, kGroupSize,
+  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), p.packed, kGroupSize,
                                                  p.scales_and_zeros);
   return y.to(at::kFloat);
 }
 
-void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
-  float squares = 0.0f;
+// Each of `rows` rows of x [rows, n], RMS-normalised and scaled, into out [rows, stride].
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps,
+              float* out, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r, x += n, out += stride) {
+    float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
-  float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
+    for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
+    float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
+  }
 }
 
 // x * cos + rotate_half(x) * sin per head; `sin` is already signed ([-sin, sin]).
@@ -42,21 +46,26 @@ void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* s
   }
 }
 
-// Rotate q and k, then store this token's k and v in the lone copy and the paged cache.
-void store_kv(float* qkv, const LayerShape& s, const float* cos, const float* sin,
-              const KVTarget& kv) {
-  int64_t kv_size = s.kv_heads * s.head_dim, capacity = kv.keys.size(1);
-  rope(qkv, s.heads + s.kv_heads, s.head_dim, cos, sin);
-  const float* k = qkv + s.heads * s.head_dim;
-  const float* v = k + kv_size;
-  std::memcpy(kv.cache_k_row, k, kv_size * sizeof(float));
-  std::memcpy(kv.cache_v_row, v, kv_size * sizeof(float));
+// Rotate each new token's q and k, then store its k and v in the copy and the paged cache.
+void store_kv(float* qkv, int64_t tokens, const LayerShape& s, const float* cos,
+              const float* sin, const KVTarget& kv) {
+  int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
+  int64_t row = q_size + 2 * kv_size, capacity = kv.keys.size(1);
   float* keys = kv.keys.data_ptr<float>();
   float* values = kv.values.data_ptr<float>();
-  for (int64_t h = 0; h < s.kv_heads; ++h) {
-    int64_t at = (h * capacity + kv.length - 1) * s.head_dim;
-    std::memcpy(keys + at, k + h * s.head_dim, s.head_dim * sizeof(float));
-    std::memcpy(values + at, v + h * s.head_dim, s.head_dim * sizeof(float));
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* token = qkv + t * row;
+    rope(token, s.heads + s.kv_heads, s.head_dim, cos + t * s.head_dim, sin + t * s.head_dim);
+    const float* k = token + q_size;
+    const float* v = k + kv_size;
+    std::memcpy(kv.cache + kv.rows[2 * t] * kv_size, k, kv_size * sizeof(float));
+    std::memcpy(kv.cache + kv.rows[2 * t + 1] * kv_size, v, kv_size * sizeof(float));
+    int64_t position = kv.length - tokens + t;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      int64_t at = (h * capacity + position) * s.head_dim;
+      std::memcpy(keys + at, k + h * s.head_dim, s.head_dim * sizeof(float));
+      std::memcpy(values + at, v + h * s.head_dim, s.head_dim * sizeof(float));
+    }
   }
 }
 
@@ -118,50 +127,59 @@ void attend_group(const float* q, const float* keys, const float* values, int64_
   }
 }
 
-// Softmax attention of each query head over its KV head's `length` keys: [1, heads * dim].
-at::Tensor attend(const at::Tensor& qkv, const KVTarget& kv, const LayerShape& s) {
+// Each new token's softmax attention over the keys it may see, per query head:
+// out [T, heads * dim]. Work is split by (token, KV head) when there is enough of it.
+at::Tensor attend(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv,
+                  const LayerShape& s) {
   int64_t group = s.heads / s.kv_heads, stride = kv.keys.size(1) * s.head_dim;
+  int64_t row = qkv.size(1), width = s.heads * s.head_dim;
   const float* q = qkv.data_ptr<float>();
   const float* keys = kv.keys.data_ptr<float>();
   const float* values = kv.values.data_ptr<float>();
-  at::Tensor out = at::empty({1, s.heads * s.head_dim}, qkv.options());
+  at::Tensor out = at::empty({tokens, width}, qkv.options());
   float* o = out.data_ptr<float>();
-  int64_t grain = kv.length < 512 ? s.kv_heads : 1;  // short contexts: not worth a thread
-  at::parallel_for(0, s.kv_heads, grain, [&](int64_t first, int64_t last) {
+  int64_t items = tokens * s.kv_heads;
+  int64_t grain = tokens * kv.length < 512 ? items : 1;  // little work: not worth a thread
+  at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     std::vector<float> scores(group * kv.length);
-    for (int64_t h = first; h < last; ++h) {
-      attend_group(q + h * group * s.head_dim, keys + h * stride, values + h * stride, kv.length,
-                   group, s, scores.data(), o + h * group * s.head_dim);
+    for (int64_t item = first; item < last; ++item) {
+      int64_t t = item / s.kv_heads, h = item % s.kv_heads;
+      int64_t visible = kv.length - tokens + t + 1;
+      attend_group(q + t * row + h * group * s.head_dim, keys + h * stride, values + h * stride,
+                   visible, group, s, scores.data(), o + t * width + h * group * s.head_dim);
     }
   });
   return out;
 }
 
-void add(float* h, const at::Tensor& delta, int64_t n) {
+void add(float* h, const at::Tensor& delta) {
   const float* d = delta.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) h[i] += d[i];
+  for (int64_t i = 0; i < delta.numel(); ++i) h[i] += d[i];
 }
 
 }  // namespace
 
 void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,
                   const float* sin, const KVTarget& kv) {
+  int64_t tokens = h.size(0), width = std::max(s.hidden, s.intermediate);
   float* hp = h.data_ptr<float>();
-  at::Tensor x = at::empty({1, std::max(s.hidden, s.intermediate)}, h.options());
+  at::Tensor x = at::empty({tokens, width}, h.options());
   at::Tensor normed = x.narrow(1, 0, s.hidden);
-  rms_norm(hp, w.input_norm, s.hidden, s.eps, normed.data_ptr<float>());
+  rms_norm(hp, w.input_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
   at::Tensor qkv = project(normed, w.qkv);
-  store_kv(qkv.data_ptr<float>(), s, cos, sin, kv);
-  add(hp, project(attend(qkv, kv, s), w.o), s.hidden);
-  rms_norm(hp, w.post_norm, s.hidden, s.eps, normed.data_ptr<float>());
+  store_kv(qkv.data_ptr<float>(), tokens, s, cos, sin, kv);
+  add(hp, project(attend(qkv, tokens, kv, s), w.o));
+  rms_norm(hp, w.post_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
   at::Tensor gate_up = project(normed, w.gate_up);
-  const float* gu = gate_up.data_ptr<float>();
   float* act = x.data_ptr<float>();
-  for (int64_t i = 0; i < s.intermediate; ++i) {
-    float gate = gu[i];
-    act[i] = gate / (1.0f + std::exp(-gate)) * gu[s.intermediate + i];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* gu = gate_up.data_ptr<float>() + t * 2 * s.intermediate;
+    for (int64_t i = 0; i < s.intermediate; ++i) {
+      float gate = gu[i];
+      act[t * width + i] = gate / (1.0f + std::exp(-gate)) * gu[s.intermediate + i];
+    }
   }
-  add(hp, project(x.narrow(1, 0, s.intermediate), w.down), s.hidden);
+  add(hp, project(x.narrow(1, 0, s.intermediate), w.down));
 }
 
 }  // namespace prefixcache

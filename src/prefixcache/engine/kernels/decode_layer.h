@@ -1,4 +1,4 @@
-// One decoder layer for the one token of a lone decode, fused (decode_layer.cpp).
+// One decoder layer for the new tokens of one sequence, fused (decode_layer.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,8 +9,8 @@ namespace prefixcache {
 
 // An int4 projection as torch's CPU kernel takes it (quant.Int4Linear).
 struct Int4Projection {
-  at::Tensor packed;             // uint8 [N, K / 2]
-  at::Tensor scales_and_zeros;   // bf16 [K / 32, N, 2]
+  at::Tensor packed;            // uint8 [N, K / 2]
+  at::Tensor scales_and_zeros;  // bf16 [K / 32, N, 2]
 };
 
 struct LayerWeights {
@@ -24,16 +24,18 @@ struct LayerShape {
   float eps, scale;
 };
 
-// Where this token's K/V go: the lone copy (`keys`, `values` [kv, capacity, dim], `length`
-// tokens once this one is in) and its two rows of the paged cache.
+// Where the new tokens' K/V go: the sequence's contiguous copy (`keys`, `values`
+// [kv, capacity, dim]), which holds `length` tokens once they are in, the last T of them
+// new; and, for new token i, its K and V rows of the paged cache (`cache` + row * kv * dim).
 struct KVTarget {
   at::Tensor keys, values;
   int64_t length;
-  float* cache_k_row;
-  float* cache_v_row;
+  float* cache;
+  const int64_t* rows;  // [T, 2]: K row, V row
 };
 
-// h += attention(norm(h)); h += mlp(norm(h)), as model.DecoderLayer computes a lone decode.
+// h [T, hidden] += attention(norm(h)), then += mlp(norm(h)): model.DecoderLayer's numbers
+// for T tokens of one sequence (causal: token i sees the context and the new tokens <= i).
 void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,
                   const float* sin, const KVTarget& kv);
 

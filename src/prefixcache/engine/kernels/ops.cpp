@@ -36,44 +36,48 @@ LayerWeights layer_weights(at::TensorList norms, at::TensorList packed, at::Tens
           projection(p[2], z[2], s.hidden), projection(p[3], z[3], s.intermediate)};
 }
 
-// This token's K/V targets in one layer: its lone copy and its two rows of the pool.
+// The new tokens' K/V targets in one layer: its contiguous copy and the rows of its pool.
 KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& cache,
-                   int64_t length, int64_t k_row, int64_t v_row, const LayerShape& s) {
+                   int64_t length, const at::Tensor& rows, const LayerShape& s) {
   TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.size(0) == s.kv_heads &&
                   keys.size(2) == s.head_dim,
               "keys, values must be [", s.kv_heads, ", capacity, ", s.head_dim, "]");
-  TORCH_CHECK(length >= 1 && length <= keys.size(1), "length ", length, " outside 1..",
-              keys.size(1));
-  int64_t row = s.kv_heads * s.head_dim, rows = cache.numel() / row;
-  TORCH_CHECK(k_row >= 0 && k_row < rows && v_row >= 0 && v_row < rows, "cache row out of range");
-  float* flat = floats(cache, row, "cache");
+  TORCH_CHECK(length >= rows.size(0) && length <= keys.size(1), "length ", length, " outside ",
+              rows.size(0), "..", keys.size(1));
+  int64_t row = s.kv_heads * s.head_dim, count = cache.numel() / row;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < count, "cache row ", r[i], " outside 0..", count - 1);
+  }
   floats(keys, keys.numel(), "keys");
   floats(values, values.numel(), "values");
-  return {keys, values, length, flat + k_row * row, flat + v_row * row};
+  return {keys, values, length, floats(cache, row, "cache"), r};
 }
 
 void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
                       at::TensorList pairs, const at::Tensor& cos, const at::Tensor& sin,
                       at::TensorList keys, at::TensorList values, at::TensorList caches,
-                      int64_t length, int64_t k_row, int64_t v_row, int64_t heads,
-                      int64_t kv_heads, double eps, double scale) {
+                      int64_t length, const at::Tensor& rows, int64_t heads, int64_t kv_heads,
+                      double eps, double scale) {
   int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0 && norms.size() == 2 * caches.size() &&
                   packed.size() == 4 * caches.size() && pairs.size() == packed.size() &&
                   keys.size() == caches.size() && values.size() == caches.size(),
               "per layer: 2 norms, 4 projections (qkv, o, gate_up, down), keys, values, cache");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "h must be one row [1, hidden]");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1, "h must be [tokens, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must group by kv_heads");
-  int64_t hidden = h.size(1), dim = keys[0].size(-1), intermediate = packed[3].size(1) * 2;
-  LayerShape s{hidden, heads, kv_heads, dim, intermediate, static_cast<float>(eps),
+  int64_t tokens = h.size(0), hidden = h.size(1), dim = keys[0].size(-1);
+  TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous() && rows.dim() == 2 &&
+                  rows.size(0) == tokens && rows.size(1) == 2,
+              "rows must be int64 [tokens, 2] (each token's K and V rows of the pool)");
+  LayerShape s{hidden, heads, kv_heads, dim, packed[3].size(1) * 2, static_cast<float>(eps),
                static_cast<float>(scale)};
-  floats(h, hidden, "h");
-  const float* c = floats(cos, dim, "cos");
-  const float* sn = floats(sin, dim, "sin");
+  floats(h, tokens * hidden, "h");
+  const float* c = floats(cos, tokens * dim, "cos");
+  const float* sn = floats(sin, tokens * dim, "sin");
   for (int64_t layer = 0; layer < layers; ++layer) {
     LayerWeights w = layer_weights(norms, packed, pairs, layer, s);
-    KVTarget kv = kv_target(keys[layer], values[layer], caches[layer], length, k_row, v_row, s);
-    decode_layer(h, w, s, c, sn, kv);
+    decode_layer(h, w, s, c, sn, kv_target(keys[layer], values[layer], caches[layer], length, rows, s));
   }
 }
 
@@ -83,7 +87,7 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
       "Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor(d!)[] caches, "
-      "int length, int k_row, int v_row, int heads, int kv_heads, float eps, float scale) -> ()");
+      "int length, Tensor rows, int heads, int kv_heads, float eps, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) { m.impl("decode_layers", decode_layers_op); }
