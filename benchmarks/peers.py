@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -52,6 +53,14 @@ SHORT_PROMPTS = (  # each seen once per server: nothing cached
 )
 DECODE_TOKENS = 128
 Starter = Callable[[int], subprocess.Popen]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A server to measure: how to start one on a port, and what answers once it is up."""
+
+    start: Starter
+    health: str = "/health"
 
 
 def our_server(threads: int, caching: bool = True) -> Starter:
@@ -90,8 +99,8 @@ def llama_cpp_python(python: Path, model: Path, threads: int) -> Starter:
 class Server:
     """A fresh server for one case: started, timed to healthy, stopped on exit."""
 
-    def __init__(self, start: Starter) -> None:
-        self.port = free_port()
+    def __init__(self, peer: Peer) -> None:
+        self.port, self.health, start = free_port(), peer.health, peer.start
         self.url = f"http://127.0.0.1:{self.port}"
         began = time.perf_counter()
         self.process = start(self.port)
@@ -104,7 +113,7 @@ class Server:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"server exited with {self.process.returncode}")
                 try:
-                    if client.get(f"{self.url}/health").status_code == 200:
+                    if client.get(f"{self.url}{self.health}").status_code == 200:
                         return time.perf_counter() - began
                 except httpx.HTTPError:
                     pass
@@ -141,9 +150,9 @@ def complete(client: httpx.Client, server: Server, prompt: list[int], tokens: in
     return {"ttft": first - began, "total": last - began, "decode": last - first}
 
 
-def stream_cases(start: Starter, decode: list[list[int]], short: list[list[int]]) -> dict:
+def stream_cases(peer: Peer, decode: list[list[int]], short: list[list[int]]) -> dict:
     """Start-up, one stream's decode speed and short-prompt TTFT, on one fresh server."""
-    with Server(start) as server, httpx.Client(timeout=300) as client:
+    with Server(peer) as server, httpx.Client(timeout=300) as client:
         complete(client, server, [1, 2, 3], 4)  # warm-up
         rates = []
         for prompt in decode:
@@ -157,16 +166,16 @@ def stream_cases(start: Starter, decode: list[list[int]], short: list[list[int]]
         }
 
 
-def one_at_a_time(start: Starter, prompts: list[list[int]]) -> dict:
-    with Server(start) as server, httpx.Client(timeout=300) as client:
+def one_at_a_time(peer: Peer, prompts: list[list[int]]) -> dict:
+    with Server(peer) as server, httpx.Client(timeout=300) as client:
         complete(client, server, [1, 2, 3], 2)  # warm-up, nothing shared with the prompts
         began = time.perf_counter()
         ttfts = [complete(client, server, p, 8)["ttft"] for p in prompts]
         return {"seconds": time.perf_counter() - began, "cached_ttft": statistics.median(ttfts[1:])}
 
 
-def at_once(start: Starter, prompts: list[list[int]]) -> dict:
-    with Server(start) as server, httpx.Client(timeout=600, limits=_limits()) as client:
+def at_once(peer: Peer, prompts: list[list[int]]) -> dict:
+    with Server(peer) as server, httpx.Client(timeout=600, limits=_limits()) as client:
         complete(client, server, [1, 2, 3], 2)
         began = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -178,11 +187,11 @@ def _limits() -> httpx.Limits:
     return httpx.Limits(max_connections=32, max_keepalive_connections=32)
 
 
-def measure(start: Starter, streams: tuple[list[list[int]], ...], prompts: list[list[int]]) -> dict:
+def measure(peer: Peer, streams: tuple[list[list[int]], ...], prompts: list[list[int]]) -> dict:
     return {
-        **stream_cases(start, *streams),
-        "one": one_at_a_time(start, prompts),
-        "many": at_once(start, prompts),
+        **stream_cases(peer, *streams),
+        "one": one_at_a_time(peer, prompts),
+        "many": at_once(peer, prompts),
     }
 
 
@@ -230,16 +239,17 @@ def main() -> None:
     prompts = document_prompts(tokenizer)
     model, threads = default_model_path(), args.threads
     servers = {
-        "prefixcache": our_server(threads),
-        "llama-server": llama_server(ensure_built(), model, threads),
+        "prefixcache": Peer(our_server(threads)),
+        "llama-server": Peer(llama_server(ensure_built(), model, threads)),
     }
-    if args.peer_python.exists():
-        servers["llama-cpp-python"] = llama_cpp_python(args.peer_python, model, threads)
+    if args.peer_python.exists():  # its server has no /health
+        start = llama_cpp_python(args.peer_python, model, threads)
+        servers["llama-cpp-python"] = Peer(start, "/v1/models")
     print(f"prefixcache vs llama.cpp over HTTP: {model.name}, {threads} threads, one run")
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
-    results = {name: measure(start, streams, prompts) for name, start in servers.items()}
+    results = {name: measure(peer, streams, prompts) for name, peer in servers.items()}
     print("\n".join(table(results)))
-    off = at_once(our_server(threads, caching=False), prompts)["seconds"]
+    off = at_once(Peer(our_server(threads, caching=False)), prompts)["seconds"]
     on = results["prefixcache"]["many"]["seconds"]
     print(f"  ours, 16 at once: caching off {off:.2f} s, on {on:.2f} s: {off / on:.2f}x")
     print(f"load average after: {os.getloadavg()[0]:.2f}")

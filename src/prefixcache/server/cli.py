@@ -265,6 +265,8 @@ def run_serve(args: argparse.Namespace) -> int:
     quiet_health_checks(args.log_health_checks)
     try:
         graceful_server(app, args.host, args.port, args.shutdown_timeout).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
+        pass
     finally:
         if trace is not None:
             trace.close()
