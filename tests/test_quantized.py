@@ -20,7 +20,7 @@ from engine_fixtures import (
     default_reference,
     run_to_completion,
 )
-from prefixcache.engine import quant
+from prefixcache.engine import kernels, quant
 from prefixcache.engine.engine import EngineConfig
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.model import LlamaModel
@@ -153,6 +153,25 @@ def test_the_head_is_exact_where_the_argmax_can_be() -> None:
     top = logits.argmax(-1, keepdim=True)
     assert torch.allclose(logits.gather(1, top), exact.gather(1, top), rtol=1e-6, atol=1e-5)
     assert ((logits - exact).abs() <= bound).all()
+
+
+def test_the_native_head_pass_gives_the_torch_paths_logits(monkeypatch) -> None:
+    """kernels/head_logits.cpp: the same approximations, the same tokens refined, the
+    refined ones equal to fp32 rounding (summed in double there)."""
+    loaded = default_model()
+    weight = loaded.state_dict["model.embed_tokens.weight"]
+    head = Int4Head(loaded.quantized["model.embed_tokens.weight"], weight)
+    hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(7)) * 3
+    assert kernels.available()
+    native = head(hidden)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    reference = head(hidden)
+    approx = quant.int4_matmul(head.planes, hidden.bfloat16()).float().view(5, 2, -1).sum(1)
+    refined_native, refined_torch = native != approx, reference != approx
+    assert torch.equal(refined_native, refined_torch) and refined_native.any()
+    assert torch.equal(native[~refined_native], reference[~refined_torch])
+    assert torch.allclose(native[refined_native], reference[refined_torch], rtol=1e-6, atol=1e-6)
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
 
 
 def test_the_default_model_runs_every_layer_weight_in_int4() -> None:

@@ -6,7 +6,9 @@ fp32, ~45% of a decode step's weight bytes). `Int4Head` reads its 4-bit planes i
 rigorous per-token error bound `b` (below). Every token with `a + b >= max(a - b)` gets
 its exact fp32 logit from the dense matrix; the argmax is always among them, so greedy
 decoding picks exactly the fp32 argmax. The other tokens keep `a`, within `b` (typically
-a few hundredths of a logit) of their exact value.
+a few hundredths of a logit) of their exact value. Where the native kernels load, the bound
+and the refinement run in one C++ pass (`kernels/head_logits.cpp`), the exact logits summed
+in double; the torch code below is the reference and the fallback.
 
 The bound, with `u = 2**-8` (bfloat16 rounding), `h` the hidden row, `h' = bf16(h)`, `W'`
 the kernel's weights (`quant.kernel_weight`, bf16 scales) and `y_p` a plane's output:
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from prefixcache.engine import kernels
 from prefixcache.engine.quant import (
     KERNEL_DTYPE,
     Int4Linear,
@@ -62,7 +65,13 @@ class Int4Head:
             return F.linear(hidden.float(), self.weight)
         h = hidden.contiguous()
         h16 = h.to(KERNEL_DTYPE)
-        parts = int4_matmul(self.planes, h16).float().view(h.shape[0], self.num_planes, -1)
+        planes_out = int4_matmul(self.planes, h16)
+        if kernels.available():  # the same bound and refinement in one native pass
+            return torch.ops.prefixcache.head_logits(
+                planes_out, h, self.weight, self.norm, self.error_norm, self.plane_norms,
+                self.num_planes, _SAFETY,
+            )  # fmt: skip
+        parts = planes_out.float().view(h.shape[0], self.num_planes, -1)
         approx = parts.sum(1)
         bound = self._bound(h, h16, parts, approx)
         rows, cols = (approx + bound >= (approx - bound).amax(-1, keepdim=True)).nonzero().T

@@ -23,7 +23,13 @@ from torch.utils import cpp_extension
 
 from prefixcache.engine.cache_folder import default_cache_dir
 
-SOURCES = ("ops.cpp", "decode_layer.cpp", "decode_layer.h")
+SOURCES = (
+    "ops.cpp",
+    "decode_layer.cpp",
+    "decode_layer.h",
+    "head_logits.cpp",
+    "head_logits.h",
+)
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
 _HERE = Path(__file__).resolve().parent
 

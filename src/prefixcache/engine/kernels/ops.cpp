@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "decode_layer.h"
+#include "head_logits.h"
 
 namespace prefixcache {
 
@@ -81,15 +82,39 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
   }
 }
 
+at::Tensor head_logits_op(const at::Tensor& parts, const at::Tensor& hidden,
+                          const at::Tensor& weight, const at::Tensor& norm,
+                          const at::Tensor& error_norm, const at::Tensor& plane_norms,
+                          int64_t planes, double safety) {
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+              "hidden [R, K] and weight [N, K] expected");
+  int64_t rows = hidden.size(0), n = weight.size(0);
+  TORCH_CHECK(planes >= 1 && parts.dtype() == at::kBFloat16 && parts.is_contiguous() &&
+                  parts.numel() == rows * planes * n,
+              "parts must be contiguous bf16 [R, planes * N]");
+  floats(hidden, hidden.numel(), "hidden");
+  floats(weight, weight.numel(), "weight");
+  floats(norm, n, "norm");
+  floats(error_norm, n, "error_norm");
+  floats(plane_norms, n, "plane_norms");
+  return head_logits(parts, hidden, weight, norm, error_norm, plane_norms, planes, safety);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(prefixcache, m) {
+  m.def(
+      "head_logits(Tensor parts, Tensor hidden, Tensor weight, Tensor norm, Tensor error_norm, "
+      "Tensor plane_norms, int planes, float safety) -> Tensor");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
       "Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor(d!)[] caches, "
       "int length, Tensor rows, int heads, int kv_heads, float eps, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(prefixcache, CPU, m) { m.impl("decode_layers", decode_layers_op); }
+TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
+  m.impl("decode_layers", decode_layers_op);
+  m.impl("head_logits", head_logits_op);
+}
 
 }  // namespace prefixcache
