@@ -1,8 +1,9 @@
 """One stream, and a shared document, against llama.cpp's own server, over HTTP (issue 27).
 
 Each case starts a fresh server and talks to it as a client would, over loopback HTTP, with
-the same GGUF (the default model, Q4_1), the same threads, greedy decoding and EOS ignored,
-and the same token ids as prompts (`/v1/completions` takes a list of ids on all sides):
+the same GGUF (the default model, Q4_1), the same threads, greedy decoding,
+and the same token ids as prompts (`/v1/completions` takes a list of ids), EOS ignored
+(`ignore_eos`, or `min_tokens` = `max_tokens` where that is what a server knows):
   - start-up: process start to `/health` ok;
   - decode: one stream of 128 tokens, tokens/s after the first (median of 3);
   - short-prompt TTFT: 6 different prompts of ~10 tokens, one at a time, median;
@@ -12,7 +13,8 @@ and the same token ids as prompts (`/v1/completions` takes a list of ids on all 
   - ours, 16 at once with prefix caching off, for what the cache buys.
 The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
 slots, `--no-repack`: ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
-where `make bench-peers` built `.venv-peers`, llama-cpp-python's server. Ratios > 1: we are
+where `make bench-peers` built `.venv-peers`, llama-cpp-python's server (which takes text
+prompts only: it gets the ids decoded, and tokenizes them itself). Ratios > 1: we are
 faster. One run: the machine is shared, so compare the ratios, not the seconds.
 """
 
@@ -56,11 +58,23 @@ Starter = Callable[[int], subprocess.Popen]
 
 
 @dataclass(frozen=True)
+class Prompts:
+    """Token ids of every prompt the cases send."""
+
+    warm_up: list[int]  # shares no prefix with the others
+    decode: list[list[int]]
+    short: list[list[int]]
+    documents: list[list[int]]
+
+
+@dataclass(frozen=True)
 class Peer:
     """A server to measure: how to start one on a port, and what answers once it is up."""
 
     start: Starter
     health: str = "/health"
+    # llama-cpp-python's server takes prompts as text only: it gets the ids decoded
+    detokenize: Callable[[list[int]], str] | None = None
 
 
 def our_server(threads: int, caching: bool = True) -> Starter:
@@ -88,7 +102,8 @@ def llama_server(binary: Path, model: Path, threads: int) -> Starter:
 
 def llama_cpp_python(python: Path, model: Path, threads: int) -> Starter:
     def start(port: int) -> subprocess.Popen:
-        command = [str(python), "-m", "llama_cpp.server", "--model", str(model)]
+        launcher = Path(__file__).with_name("llama_cpp_python_server.py")
+        command = [str(python), str(launcher), "--model", str(model)]
         command += ["--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads)]
         command += ["--n_threads_batch", str(threads), "--n_ctx", "4096"]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -101,6 +116,7 @@ class Server:
 
     def __init__(self, peer: Peer) -> None:
         self.port, self.health, start = free_port(), peer.health, peer.start
+        self.detokenize = peer.detokenize
         self.url = f"http://127.0.0.1:{self.port}"
         began = time.perf_counter()
         self.process = start(self.port)
@@ -130,8 +146,9 @@ class Server:
 def complete(client: httpx.Client, server: Server, prompt: list[int], tokens: int) -> dict:
     """One streamed greedy completion: seconds to the first token and to the last."""
     url = server.url
-    body = {"model": server.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    text = server.detokenize(prompt) if server.detokenize else prompt
+    body = {"model": server.model, "prompt": text, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "min_tokens": tokens}  # fmt: skip
     began = time.perf_counter()
     first = last = None
     # A connection per request: llama-server closes a kept-alive one after a stream.
@@ -150,15 +167,15 @@ def complete(client: httpx.Client, server: Server, prompt: list[int], tokens: in
     return {"ttft": first - began, "total": last - began, "decode": last - first}
 
 
-def stream_cases(peer: Peer, decode: list[list[int]], short: list[list[int]]) -> dict:
+def stream_cases(peer: Peer, prompts: Prompts) -> dict:
     """Start-up, one stream's decode speed and short-prompt TTFT, on one fresh server."""
     with Server(peer) as server, httpx.Client(timeout=300) as client:
-        complete(client, server, [1, 2, 3], 4)  # warm-up
+        complete(client, server, prompts.warm_up, 4)
         rates = []
-        for prompt in decode:
+        for prompt in prompts.decode:
             timing = complete(client, server, prompt, DECODE_TOKENS)
             rates.append((DECODE_TOKENS - 1) / timing["decode"])
-        ttfts = [complete(client, server, p, 1)["ttft"] for p in short]
+        ttfts = [complete(client, server, p, 1)["ttft"] for p in prompts.short]
         return {
             "startup": server.startup,
             "decode": statistics.median(rates),
@@ -166,20 +183,20 @@ def stream_cases(peer: Peer, decode: list[list[int]], short: list[list[int]]) ->
         }
 
 
-def one_at_a_time(peer: Peer, prompts: list[list[int]]) -> dict:
+def one_at_a_time(peer: Peer, prompts: Prompts) -> dict:
     with Server(peer) as server, httpx.Client(timeout=300) as client:
-        complete(client, server, [1, 2, 3], 2)  # warm-up, nothing shared with the prompts
+        complete(client, server, prompts.warm_up, 2)
         began = time.perf_counter()
-        ttfts = [complete(client, server, p, 8)["ttft"] for p in prompts]
+        ttfts = [complete(client, server, p, 8)["ttft"] for p in prompts.documents]
         return {"seconds": time.perf_counter() - began, "cached_ttft": statistics.median(ttfts[1:])}
 
 
-def at_once(peer: Peer, prompts: list[list[int]]) -> dict:
+def at_once(peer: Peer, prompts: Prompts) -> dict:
     with Server(peer) as server, httpx.Client(timeout=600, limits=_limits()) as client:
-        complete(client, server, [1, 2, 3], 2)
+        complete(client, server, prompts.warm_up, 2)
         began = time.perf_counter()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            list(pool.map(lambda p: complete(client, server, p, 8), prompts))
+        with ThreadPoolExecutor(len(prompts.documents)) as pool:
+            list(pool.map(lambda p: complete(client, server, p, 8), prompts.documents))
         return {"seconds": time.perf_counter() - began}
 
 
@@ -187,9 +204,9 @@ def _limits() -> httpx.Limits:
     return httpx.Limits(max_connections=32, max_keepalive_connections=32)
 
 
-def measure(peer: Peer, streams: tuple[list[list[int]], ...], prompts: list[list[int]]) -> dict:
+def measure(peer: Peer, prompts: Prompts) -> dict:
     return {
-        **stream_cases(peer, *streams),
+        **stream_cases(peer, prompts),
         "one": one_at_a_time(peer, prompts),
         "many": at_once(peer, prompts),
     }
@@ -233,10 +250,12 @@ def main() -> None:
     from prefixcache.engine.model_files import default_model_path, load_tokenizer
 
     tokenizer = load_tokenizer()
-    streams = tuple(
-        [tokenizer.encode(t) for t in texts] for texts in (DECODE_PROMPTS, SHORT_PROMPTS)
+    prompts = Prompts(
+        tokenizer.encode("Warm up."),
+        [tokenizer.encode(text) for text in DECODE_PROMPTS],
+        [tokenizer.encode(text) for text in SHORT_PROMPTS],
+        document_prompts(tokenizer),
     )
-    prompts = document_prompts(tokenizer)
     model, threads = default_model_path(), args.threads
     servers = {
         "prefixcache": Peer(our_server(threads)),
@@ -244,10 +263,10 @@ def main() -> None:
     }
     if args.peer_python.exists():  # its server has no /health
         start = llama_cpp_python(args.peer_python, model, threads)
-        servers["llama-cpp-python"] = Peer(start, "/v1/models")
+        servers["llama-cpp-python"] = Peer(start, "/v1/models", tokenizer.decode)
     print(f"prefixcache vs llama.cpp over HTTP: {model.name}, {threads} threads, one run")
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
-    results = {name: measure(peer, streams, prompts) for name, peer in servers.items()}
+    results = {name: measure(peer, prompts) for name, peer in servers.items()}
     print("\n".join(table(results)))
     off = at_once(Peer(our_server(threads, caching=False)), prompts)["seconds"]
     on = results["prefixcache"]["many"]["seconds"]
