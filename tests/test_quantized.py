@@ -113,6 +113,22 @@ def test_int4_and_dense_kernels_give_the_same_numbers() -> None:
     assert ((a - b).abs() <= ulp).all()
 
 
+def test_the_native_rounding_gives_the_dense_paths_numbers_bit_for_bit() -> None:
+    """kernels/round_bf16.cpp: the prefill path's one-pass bf16 roundings equal the casts."""
+    assert kernels.available()
+    linear = Int4Linear(random_blocks(256, 96, torch.Generator().manual_seed(3)))
+    x = torch.randn(60, 96, generator=torch.Generator().manual_seed(4)) * 50
+    x[0, :4] = torch.tensor([float("inf"), -float("inf"), 3.3e38, 1 + 2**-9])
+    expected = quant.dense_matmul(linear, x.to(quant.KERNEL_DTYPE)).float()
+    exact = {"rtol": 0, "atol": 0, "equal_nan": True}  # inf - inf rows are NaN on both
+    torch.testing.assert_close(quant.rounded_dense_matmul(linear, x.clone()), expected, **exact)
+    torch.testing.assert_close(linear(x.clone()), expected, **exact)  # > 48 rows: dense
+    specials = torch.tensor([float("nan"), 2**-130, -(2**-149), 65504.0, 1 + 2**-8])
+    rounded = torch.ops.prefixcache.round_bf16_(specials.clone())
+    reference = specials.to(torch.bfloat16).float()
+    assert torch.isnan(rounded[0]) and torch.equal(rounded[1:], reference[1:])
+
+
 def test_q4_blocks_dequantize_exactly_as_gguf_does() -> None:
     loaded = default_model()
     for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj"):  # q, k: permuted rows

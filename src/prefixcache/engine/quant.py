@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.engine import kernels
+
 GROUP_SIZE = 32  # inputs per GGUF Q4 block, and the kernel's group size
 KERNEL_DTYPE = torch.bfloat16
 # Above this many rows the dense fp32 matmul on W' beats the int4 kernel (which redoes the
@@ -157,10 +159,13 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[T, in]` in any float dtype -> `[T, out]` in the same dtype.
 
-        The int4 kernel for up to `MAX_INT4_ROWS` rows, the dense one on `W'` for more.
+        The int4 kernel for up to `MAX_INT4_ROWS` rows, the dense one on `W'` for more (which
+        rounds an fp32 `x` to bf16 in place: `rounded_dense_matmul`).
         """
-        x16 = x.to(KERNEL_DTYPE).contiguous()
         dense = self.weight is not None and x.shape[0] > MAX_INT4_ROWS
+        if dense and x.dtype == torch.float32 and kernels.available():
+            return rounded_dense_matmul(self, x)
+        x16 = x.to(KERNEL_DTYPE).contiguous()
         return (dense_matmul if dense else int4_matmul)(self, x16).to(x.dtype)
 
     @property
@@ -180,6 +185,17 @@ def dense_matmul(linear: Int4Linear, x16: torch.Tensor) -> torch.Tensor:
     """`bf16(x16 @ W'^T)` with the dense fp32 matmul (reads W')."""
     assert linear.weight is not None
     return F.linear(x16.float(), linear.weight).to(KERNEL_DTYPE)
+
+
+def rounded_dense_matmul(linear: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """`dense_matmul`'s numbers for fp32 `x`, in fp32: each bf16 rounding is one in-place
+    native pass (`kernels/round_bf16.cpp`) instead of two casts, ~8% of a long prefill.
+
+    Rounds a contiguous `x` in place: the model passes temporaries (a norm's output, the
+    attention's, the gated activation)."""
+    assert linear.weight is not None
+    rounded = torch.ops.prefixcache.round_bf16_(x.contiguous())
+    return torch.ops.prefixcache.round_bf16_(F.linear(rounded, linear.weight))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -29,6 +29,8 @@ SOURCES = (
     "decode_layer.h",
     "head_logits.cpp",
     "head_logits.h",
+    "round_bf16.cpp",
+    "round_bf16.h",
 )
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
 _HERE = Path(__file__).resolve().parent

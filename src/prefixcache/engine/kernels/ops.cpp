@@ -3,6 +3,7 @@
 
 #include "decode_layer.h"
 #include "head_logits.h"
+#include "round_bf16.h"
 
 namespace prefixcache {
 
@@ -100,9 +101,15 @@ at::Tensor head_logits_op(const at::Tensor& parts, const at::Tensor& hidden,
   return head_logits(parts, hidden, weight, norm, error_norm, plane_norms, planes, safety);
 }
 
+at::Tensor& round_bf16_op(at::Tensor& x) {
+  round_bf16_(x);
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(prefixcache, m) {
+  m.def("round_bf16_(Tensor(a!) x) -> Tensor(a!)");
   m.def(
       "head_logits(Tensor parts, Tensor hidden, Tensor weight, Tensor norm, Tensor error_norm, "
       "Tensor plane_norms, int planes, float safety) -> Tensor");
@@ -115,6 +122,7 @@ TORCH_LIBRARY(prefixcache, m) {
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
   m.impl("decode_layers", decode_layers_op);
   m.impl("head_logits", head_logits_op);
+  m.impl("round_bf16_", round_bf16_op);
 }
 
 }  // namespace prefixcache
