@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sim.py
 	$(BIN)/python benchmarks/attention.py
 	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/prefill.py
 	$(BIN)/python benchmarks/tier.py
 	$(BIN)/python benchmarks/cluster.py
 	$(BIN)/python benchmarks/ray_serve.py
