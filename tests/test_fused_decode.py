@@ -100,10 +100,19 @@ def _sequential(fused: bool, prompts: list[list[int]], tokens: int) -> dict:
 
 def test_a_short_suffix_after_a_cached_prefix_runs_fused_with_the_eager_numbers() -> None:
     tokenizer = default_tokenizer()
-    prefix = tokenizer.encode("A list of facts about the planets of the solar system. " * 4)
+    # ~150 prefix tokens: a 5-token suffix (x its context) takes the SDPA branch (>= 512)
+    prefix = tokenizer.encode("A list of facts about the planets of the solar system. " * 12)
     prompts = [prefix + tokenizer.encode(q) for q in (" Mars is", " Jupiter has", " Venus")]
     assert all(len(p) - len(prefix) <= MAX_FUSED_ROWS for p in prompts)
     _assert_same(_sequential(True, prompts, 16), _sequential(False, prompts, 16))
+
+
+def test_a_long_context_decode_takes_the_sdpa_branch_with_the_eager_numbers() -> None:
+    tokenizer = default_tokenizer()
+    prompt = tokenizer.encode("Notes on the history of printing, chapter by chapter. " * 50)
+    assert len(prompt) >= 512  # every decode step: 1 token x >= 512 keys, the SDPA branch
+    request = [("long", prompt, 12)]
+    _assert_same(_run(True, request), _run(False, request))
 
 
 def test_a_decode_that_turns_lone_after_a_batch_rebuilds_its_copy_the_same_way() -> None:
