@@ -227,7 +227,7 @@ def table(results: dict[str, dict]) -> list[str]:
     names = list(results)
     peers = names[1:]
     head = f"  {'case':<27}" + "".join(f"{n:>17}" for n in names)
-    head += "".join(f"{'vs ' + p:>18}" for p in peers)
+    head += "".join(f"{'vs ' + p:>21}" for p in peers)
     lines = [head]
     for label, value, unit, higher in ROWS:
         ours = value(results[names[0]])
@@ -235,7 +235,7 @@ def table(results: dict[str, dict]) -> list[str]:
         for peer in peers:
             theirs = value(results[peer])
             ratio = ours / theirs if higher else theirs / ours
-            row += f"{ratio:>17.2f}x"
+            row += f"{ratio:>20.2f}x"
         lines.append(row)
     return lines
 
