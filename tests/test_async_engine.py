@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from engine_fixtures import assert_pool_clean, tiny_engine
-from prefixcache.engine.async_engine import AsyncLLMEngine
+from prefixcache.engine import async_engine
+from prefixcache.engine.async_engine import COALESCE_PROMPT_TOKENS, AsyncLLMEngine
 from prefixcache.engine.sampling import SamplingParams
 
 
@@ -57,3 +58,41 @@ def test_closing_a_stream_early_aborts_the_request():
     engine, rest = asyncio.run(main())
     assert rest[-1].finished and len(rest[-1].token_ids) == 3
     assert_pool_clean(engine.engine)
+
+
+def _first_step_batch(delay: float, length: int) -> int:
+    """How many requests the first step ran when a second one arrives `delay` s after the
+    first, both with `length`-token prompts."""
+    batches: list[int] = []
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(num_kv_blocks=512))
+        step = engine.engine.step
+
+        def recording_step():
+            if not batches:
+                batches.append(len(engine.engine.requests))
+            return step()
+
+        engine.engine.step = recording_step
+        engine.start()
+        try:
+
+            async def later():
+                await asyncio.sleep(delay)
+                return await collect(engine, "b", [7] + list(range(100, 100 + length)), 2)
+
+            await asyncio.gather(collect(engine, "a", list(range(100, 100 + length)), 2), later())
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    return batches[0]
+
+
+def test_a_long_prompt_waits_a_moment_for_companions_and_a_short_one_does_not(monkeypatch):
+    # Windows far wider than the arrivals' gap, so a loaded machine cannot flip the result.
+    monkeypatch.setattr(async_engine, "COALESCE_SECONDS", 0.5)
+    monkeypatch.setattr(async_engine, "COALESCE_LIMIT_SECONDS", 1.0)
+    assert _first_step_batch(0.02, COALESCE_PROMPT_TOKENS) == 2  # one step for the burst
+    assert _first_step_batch(0.3, 8) == 1  # a short prompt starts at once

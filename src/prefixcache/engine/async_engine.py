@@ -6,6 +6,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -18,6 +19,12 @@ from prefixcache.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("prefixcache.engine")
 IDLE_REFRESH_SECONDS = 1.0  # with a tier, an idle engine republishes this often
+# An idle engine handed a long prompt waits this long for requests that arrive with it
+# (each arrival restarts the wait, up to COALESCE_LIMIT_SECONDS), so that a burst sharing a
+# document computes it in one step instead of once alone and once for the rest.
+COALESCE_PROMPT_TOKENS = 256
+COALESCE_SECONDS = 0.005
+COALESCE_LIMIT_SECONDS = 0.05
 
 
 @dataclass(slots=True)
@@ -202,10 +209,15 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self._submit(command))
 
     def _run(self) -> None:
+        woke = False
         while not self._stopped:
-            self._drain_commands()
+            longest = self._drain_commands()
+            if woke and longest >= COALESCE_PROMPT_TOKENS:
+                self._coalesce()
+            woke = False
             if not self.engine.has_unfinished_requests():
                 self._idle()
+                woke = True
                 continue
             try:
                 outputs = self.engine.step()
@@ -233,10 +245,19 @@ class AsyncLLMEngine:
             self._publish()
         self._wake.clear()
 
-    def _drain_commands(self) -> None:
+    def _coalesce(self) -> None:
+        """Take in the requests that arrive within `COALESCE_SECONDS` of each other."""
+        deadline = time.monotonic() + COALESCE_LIMIT_SECONDS
+        while not self._stopped and time.monotonic() < deadline:
+            if not self._wake.wait(COALESCE_SECONDS):
+                return
+            self._wake.clear()
+            self._drain_commands()
+
+    def _drain_commands(self) -> int:
         """Run queued adds, aborts and calls, between steps, on the engine thread; publish
-        once, then answer their callers."""
-        settled = []
+        once, then answer their callers. The longest prompt added, in tokens."""
+        settled, longest = [], 0
         while True:
             try:
                 future, command = self._commands.get_nowait()
@@ -246,12 +267,15 @@ class AsyncLLMEngine:
                 settled.append((future, command, self._execute(command), None))
             except Exception as failure:
                 settled.append((future, command, None, failure))
+            if isinstance(command, AddRequest):
+                longest = max(longest, len(command.prompt_token_ids))
         if settled:
             self._publish()
         for future, command, result, error in settled:
             if isinstance(command, AbortRequest) and result is not None:
                 self._deliver(result)  # the aborted request's last snapshot
             _settle(future, result, error)
+        return longest
 
     def _execute(self, command: Command) -> object:
         """Carry out one command on the engine thread."""
