@@ -161,3 +161,24 @@ def test_what_crosses_the_process_boundary_pickles_whole():
     copy = pickle.loads(pickle.dumps(tokenizer))
     assert copy.encode_chat(messages) == expected
     assert copy.eos_token_ids == tokenizer.eos_token_ids
+
+
+def test_warm_when_idle_starts_the_workers_only_once_the_engine_is_quiet():
+    tokenizer = default_tokenizer()
+    pool = PreparePool(2)
+    busy = [True]
+    try:
+        pool.warm_when_idle(
+            PrepareContext(tokenizer, "m", 512, tokenizer.vocab_size, 1000),
+            lambda: busy[0],
+            quiet=0.2,
+        )
+        time.sleep(1.0)  # five quiet periods' worth of polling, all busy
+        assert pool.worker_pids() == []
+        busy[0] = False
+        deadline = time.monotonic() + 60
+        while len(pool.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool.worker_pids()) == 2
+    finally:
+        pool.close()

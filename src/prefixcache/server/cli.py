@@ -239,7 +239,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(
         engine, tenants, name, max_pending=args.max_pending, publisher=publisher, limits=limits
     )
-    app.state.server.pool.warm(app.state.server.prepare)  # large bodies' worker processes
+    server = app.state.server  # large bodies' worker processes, once the engine is quiet
+    server.pool.warm_when_idle(server.prepare, lambda: server.async_engine.num_pending > 0)
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens; prefix caching "

@@ -33,6 +33,7 @@ NICENESS = 10  # preparation yields the cores to the engine's forward passes
 PROCESS_BODY_BYTES = 64 * 2**10  # bodies at least this large are prepared in a process
 PREPARE_PROCESSES = 2  # worker processes, started at the first large body (or by warm())
 PARENT_POLL_SECONDS = 1.0  # how often a worker checks that its server is still there
+WARM_QUIET_SECONDS = 1.0  # an engine idle this long lets the workers start (warm_when_idle)
 
 Prepare = Callable[[bytes, "PrepareContext"], "Prepared"]
 
@@ -89,6 +90,24 @@ class PreparePool:
             threading.Thread(
                 target=self._warm, args=(ctx,), name="prepare-warm", daemon=True
             ).start()
+
+    def warm_when_idle(
+        self, ctx: PrepareContext, busy: Callable[[], bool], quiet: float = WARM_QUIET_SECONDS
+    ) -> None:
+        """`warm`, once `busy()` has been False for `quiet` seconds: the workers' imports
+        (~0.4 s of CPU each) then never compete with a new server's first requests. A large
+        body before that starts them on demand, as without warming."""
+
+        def wait_then_warm() -> None:
+            idle_since = time.monotonic()
+            while time.monotonic() - idle_since < quiet:
+                time.sleep(quiet / 4)
+                if busy():
+                    idle_since = time.monotonic()
+            self._warm(ctx)
+
+        if self._processes:
+            threading.Thread(target=wait_then_warm, name="prepare-warm", daemon=True).start()
 
     def _warm(self, ctx: PrepareContext) -> None:
         try:
