@@ -163,12 +163,12 @@ def test_what_crosses_the_process_boundary_pickles_whole():
     assert copy.eos_token_ids == tokenizer.eos_token_ids
 
 
-def test_warm_when_idle_starts_the_workers_only_once_the_engine_is_quiet():
+def test_warm_with_busy_starts_the_workers_only_once_the_engine_is_quiet():
     tokenizer = default_tokenizer()
     pool = PreparePool(2)
     busy = [True]
     try:
-        pool.warm_when_idle(
+        pool.warm(
             PrepareContext(tokenizer, "m", 512, tokenizer.vocab_size, 1000),
             lambda: busy[0],
             quiet=0.2,

@@ -87,9 +87,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillSeq, ...]
     shared_prefixes: tuple[SharedPrefix, ...] = ()
     shared_decode: DecodeBatch | None = None  # group members' decode rows, past the prefix
-    lone_table: tuple[int, ...] | None = (
-        None  # one sequence's blocks, alone in the batch (lone_decode.py)
-    )
+    lone_table: tuple[int, ...] | None = None  # a batch of one sequence: its blocks
 
     @property
     def num_tokens(self) -> int:

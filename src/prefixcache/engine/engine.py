@@ -78,7 +78,7 @@ class EngineConfig:
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
-    fused_decode: bool = True  # a lone decode's layers as native calls (engine/fused_decode.py)
+    fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction

@@ -54,8 +54,7 @@ def fused_decode(
     lone, first = model.lone, model.layers[0]
     cos, sin = (t.reshape(len(positions), -1) for t in model.rotary(positions, torch.float32))
     rows = kv_store.rows_of(metadata.slot_mapping)
-    for i, cache in enumerate(kv_store.layers):
-        lone.refill(i, cache)
+    lone.refill(kv_store.layers)
     w = _weights(model)
     torch.ops.prefixcache.decode_layers(
         h, w.norms, w.packed, w.pairs, cos, sin, lone.keys, lone.values, kv_store.layers,

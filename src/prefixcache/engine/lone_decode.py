@@ -70,21 +70,22 @@ class LoneDecode:
         """Add this step's `k`, `v` `[1, kv_heads, dim]`; all keys, values `[1, kv, L, dim]`."""
         keys, values, n = self.keys[layer], self.values[layer], self.length
         if self.rebuild:
-            k_all, v_all = gather_context(cache, self._block_ids, n)
-            keys[:, :n].copy_(k_all.transpose(0, 1))
-            values[:, :n].copy_(v_all.transpose(0, 1))
+            self._copy_from_pool(layer, cache, n)
         else:
             keys[:, n - 1].copy_(k[0])
             values[:, n - 1].copy_(v[0])
         return keys[None, :, :n], values[None, :, :n]
 
-    def refill(self, layer: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a fused forward, which writes its new tokens itself: after a rebuild, the
-        tokens before them from the pool; the layer's whole `[kv_heads, capacity, dim]` K, V."""
-        keys, values = self.keys[layer], self.values[layer]
+    def refill(self, caches: list[torch.Tensor]) -> None:
+        """For a fused forward, which writes its new tokens itself: after a rebuild, every
+        layer's tokens before them, from the pool (`caches`, one per layer)."""
         n = self.length - self.new_tokens
         if self.rebuild and n > 0:
-            k_all, v_all = gather_context(cache, self._block_ids, n)
-            keys[:, :n].copy_(k_all.transpose(0, 1))
-            values[:, :n].copy_(v_all.transpose(0, 1))
-        return keys, values
+            for layer, cache in enumerate(caches):
+                self._copy_from_pool(layer, cache, n)
+
+    def _copy_from_pool(self, layer: int, cache: torch.Tensor, n: int) -> None:
+        """The sequence's first `n` tokens of `layer`, gathered from its pool blocks."""
+        k_all, v_all = gather_context(cache, self._block_ids, n)
+        self.keys[layer][:, :n].copy_(k_all.transpose(0, 1))
+        self.values[layer][:, :n].copy_(v_all.transpose(0, 1))

@@ -187,6 +187,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixcache.engine.weights import load_model
     from prefixcache.protocol.auth import Tenants
     from prefixcache.server.app import create_app, graceful_server, started_banner
+    from prefixcache.server.prepare_pool import WARM_QUIET_SECONDS
     from prefixcache.tier import redact
     from prefixcache.tier.seal import TierKeys
 
@@ -240,7 +241,9 @@ def run_serve(args: argparse.Namespace) -> int:
         engine, tenants, name, max_pending=args.max_pending, publisher=publisher, limits=limits
     )
     server = app.state.server  # large bodies' worker processes, once the engine is quiet
-    server.pool.warm_when_idle(server.prepare, lambda: server.async_engine.num_pending > 0)
+    server.pool.warm(
+        server.prepare, lambda: server.async_engine.num_pending > 0, WARM_QUIET_SECONDS
+    )
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens; prefix caching "

@@ -33,7 +33,7 @@ NICENESS = 10  # preparation yields the cores to the engine's forward passes
 PROCESS_BODY_BYTES = 64 * 2**10  # bodies at least this large are prepared in a process
 PREPARE_PROCESSES = 2  # worker processes, started at the first large body (or by warm())
 PARENT_POLL_SECONDS = 1.0  # how often a worker checks that its server is still there
-WARM_QUIET_SECONDS = 1.0  # an engine idle this long lets the workers start (warm_when_idle)
+WARM_QUIET_SECONDS = 1.0  # a server's engine idle this long lets its workers start (warm)
 
 Prepare = Callable[[bytes, "PrepareContext"], "Prepared"]
 
@@ -80,27 +80,17 @@ class PreparePool:
             self._discard()  # the next large body starts new workers
             return None
 
-    def warm(self, ctx: PrepareContext) -> None:
-        """Start the worker processes now, from a thread, not at the first large body.
-
-        Each start blocks until its child has imported the server (spawn), which took
-        seconds of the server's start-up when done in line.
-        """
-        if self._processes:
-            threading.Thread(
-                target=self._warm, args=(ctx,), name="prepare-warm", daemon=True
-            ).start()
-
-    def warm_when_idle(
-        self, ctx: PrepareContext, busy: Callable[[], bool], quiet: float = WARM_QUIET_SECONDS
+    def warm(
+        self, ctx: PrepareContext, busy: Callable[[], bool] | None = None, quiet: float = 0.0
     ) -> None:
-        """`warm`, once `busy()` has been False for `quiet` seconds: the workers' imports
-        (~0.4 s of CPU each) then never compete with a new server's first requests. A large
-        body before that starts them on demand, as without warming."""
+        """Start the worker processes from a thread, not at the first large body: now, or,
+        given `busy`, once it has been False for `quiet` seconds, so that the workers'
+        imports (~0.4 s of CPU each) never compete with a new server's first requests. A
+        large body before that starts them on demand, as without warming."""
 
         def wait_then_warm() -> None:
             idle_since = time.monotonic()
-            while time.monotonic() - idle_since < quiet:
+            while busy is not None and time.monotonic() - idle_since < quiet:
                 time.sleep(quiet / 4)
                 if busy():
                     idle_since = time.monotonic()

@@ -1,4 +1,5 @@
-// torch.ops.prefixcache.decode_layers: the fused lone decode's checked entry point.
+// torch.ops.prefixcache: the native kernels' checked entry points (decode_layers,
+// head_logits, round_bf16_).
 #include <torch/library.h>
 
 #include "decode_layer.h"
