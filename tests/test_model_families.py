@@ -275,7 +275,7 @@ def _ours(model: torch.nn.Module, ids: list[int], chunks: list[int]) -> torch.Te
 
 
 def test_the_gguf_describes_the_family(family_pair) -> None:
-    name, reference, _, loaded = family_pair
+    name, _, _, loaded = family_pair
     config = loaded.config
     assert config.architecture == {"llama3": "llama"}.get(name, name)
     assert (config.num_layers, config.head_dim, config.num_kv_heads) == (LAYERS, HEAD_DIM, 2)
