@@ -1,14 +1,14 @@
 """Text <-> token ids, the chat template and streaming detokenization for Llama-family models.
 
-Built with the `tokenizers` library from a GGUF file's metadata (llama.cpp's `gpt2` byte-level BPE)
-or from a Hugging Face `tokenizer.json`; chat templates render in a Jinja2 sandbox the way
-transformers renders them.
+Built with the `tokenizers` library from a GGUF file's metadata (byte-level BPE or SentencePiece,
+tokenizing as llama.cpp does: `engine/gguf_vocab.py`) or from a Hugging Face `tokenizer.json`;
+chat templates render in a Jinja2 sandbox the way transformers renders them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,11 +16,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+from tokenizers import decoders
 
-# llama.cpp's token types (`tokenizer.ggml.token_type`).
-_CONTROL, _USER_DEFINED = 3, 4
+from prefixcache.engine import gguf_vocab
 
 # Texts of special tokens that end a turn in common chat formats; llama.cpp stops on these too.
 _END_OF_GENERATION = (
@@ -32,16 +31,6 @@ _END_OF_GENERATION = (
     "<end_of_turn>",
     "<|end|>",
 )
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# `tokenizer.ggml.pre` values whose vocabularies were trained with every digit on its own
-# (llama.cpp splits `\p{N}` first, then the GPT-2 regex; SmolLM's tokenizer.json says the same).
-_DIGIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"})
-_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"})
-_GPT2_PRE = frozenset({"default", "gpt2", "gpt-2", "mpt", "olmo"})
 
 
 class Tokenizer:
@@ -63,6 +52,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})  # bos_token etc., for the template
         self._template: jinja2.Template | None = None
         self._token_bytes: dict[int, bytes] = {}
+        self._byte_fallback = bool(getattr(backend.model, "byte_fallback", False))
 
     def __getstate__(self) -> dict:
         """Pickled without its caches (the compiled template cannot be): for worker processes."""
@@ -70,21 +60,19 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """Build from GGUF metadata (`tokenizer.ggml.*` keys, values as python objects)."""
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
-        if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
-            raise ValueError("no tokenizer.ggml.tokens list in the metadata")
-        backend = _gguf_backend(meta)
+        """Build from GGUF metadata (`tokenizer.ggml.*` keys, values as python objects);
+        ValueError naming the key and value of a vocabulary kind we cannot build."""
+        meta = gguf_vocab.with_defaults(meta)
+        backend = gguf_vocab.gguf_backend(meta)
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in _GGUF_SPECIALS.items()}
-        names = {n: tokens[i] for n, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+        ids = {n: i for n, i in ids.items() if isinstance(i, int) and 0 <= i < len(tokens)}
+        names = {n: tokens[i] for n, i in ids.items()}
         eot = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return cls(
             backend,
-            bos_token_id=ids["bos_token"],
-            eos_token_ids=[i for i in eot if i is not None],
+            bos_token_id=ids.get("bos_token"),
+            eos_token_ids=[i for i in eot if isinstance(i, int) and 0 <= i < len(tokens)],
             chat_template=meta.get("tokenizer.chat_template"),
             special_tokens=names,
         )
@@ -182,6 +170,8 @@ class Tokenizer:
                 and set(piece) <= _BYTE_OF.keys()
             ):
                 found = bytes(_BYTE_OF[c] for c in piece)
+            elif gguf_vocab.BYTE_PIECE.fullmatch(piece) and self._byte_fallback:
+                found = bytes([int(piece[3:5], 16)])  # a SentencePiece byte token
             else:
                 found = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
             self._token_bytes[token_id] = found
@@ -253,74 +243,7 @@ _GGUF_SPECIALS = {
 }
 
 
-def _gguf_backend(meta: Mapping[str, Any]) -> Backend:
-    """Byte-level BPE from the GGUF vocabulary, merges and token types."""
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or ()
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    # A token stored as raw text, not in the byte alphabet, is respelled (as transformers does).
-    vocab = {
-        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-        for i, t in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
-    backend = Backend(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
-    pairs = list(zip(tokens, types, strict=False))
-    backend.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, k in pairs if k == _CONTROL]
-    )
-    user = [AddedToken(t, normalized=False, special=False) for t, k in pairs if k == _USER_DEFINED]
-    backend.add_tokens(user)
-    _set_gguf_post_processor(backend, meta)
-    return backend
-
-
-def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _GPT2_PRE:
-        return byte_level
-    if pre in _DIGIT_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_PRE:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        raw = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        return pre_tokenizers.Sequence([split, raw])
-    raise ValueError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported")
-
-
-def _set_gguf_post_processor(backend: Backend, meta: Mapping[str, Any]) -> None:
-    """BOS/EOS added by `encode(add_special_tokens=True)` when the file asks for them."""
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    before = [tokens[bos]] if meta.get("tokenizer.ggml.add_bos_token") and bos is not None else []
-    after = [tokens[eos]] if meta.get("tokenizer.ggml.add_eos_token") and eos is not None else []
-    if not before and not after:
-        return
-    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(before + after)]
-    backend.post_processor = processors.TemplateProcessing(
-        single=" ".join([*before, "$A", *after]),
-        pair=" ".join([*before, "$A", *after, *before, "$B:1", *after]),
-        special_tokens=specials,
-    )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used to spell byte-level tokens."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_OF = {char: byte for byte, char in _bytes_to_unicode().items()}
+_BYTE_OF = {char: byte for byte, char in gguf_vocab.bytes_to_unicode().items()}
 
 
 def _end_of_generation_ids(backend: Backend, eos_ids: Iterable[int]) -> tuple[int, ...]:
