@@ -75,6 +75,22 @@ class _PlainReader(gguf.GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
 
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        """Name a tensor whose type no GGUF reader knows (gguf-py only says the number)."""
+        for field in fields:
+            raw_type = int(field.parts[4][0])
+            if raw_type not in _KNOWN_TYPES:
+                name = bytes(field.parts[1]).decode("utf-8", "replace")[:120]
+                raise UnknownTensorType(f"tensor {name} has type {raw_type}, unknown to GGUF")
+        super()._build_tensors(start_offs, fields)
+
+
+class UnknownTensorType(ValueError):
+    """A tensor type number that is not a GGML type."""
+
+
+_KNOWN_TYPES = frozenset(int(t) for t in gguf.GGMLQuantizationType)
+
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """Parse the header, turning every failure into a ModelFileError naming the file."""
@@ -90,6 +106,8 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         )
     try:
         reader = _PlainReader(path)
+    except UnknownTensorType as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     except Exception as exc:  # the reader fails in many ways on a damaged file
         raise ModelFileError(f"{path}: truncated or corrupt GGUF ({exc})") from exc
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
