@@ -27,6 +27,8 @@ SOURCES = (
     "ops.cpp",
     "decode_layer.cpp",
     "decode_layer.h",
+    "gguf_blocks.h",
+    "gguf_matmul.cpp",
     "head_logits.cpp",
     "head_logits.h",
     "round_bf16.cpp",
