@@ -14,9 +14,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_simd.h"
 
 namespace prefixcache::gguf {
 
@@ -40,37 +43,93 @@ void run_bf16(const uint8_t* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(h[i]) << 16;
 }
 
-constexpr Format kF32_format{1, 4, run_f32}, kF16_format{1, 2, run_f16}, kBF16_format{1, 2, run_bf16};
-constexpr Format kQ4_0_format{32, 18, run<decode_q4_0, 32, 18>}, kQ4_1_format{32, 20, run<decode_q4_1, 32, 20>};
-constexpr Format kQ5_0_format{32, 22, run<decode_q5_0, 32, 22>}, kQ5_1_format{32, 24, run<decode_q5_1, 32, 24>};
-constexpr Format kQ8_0_format{32, 34, run<decode_q8_0, 32, 34>};
-constexpr Format kQ2_K_format{256, 84, run<decode_q2_k, 256, 84>}, kQ3_K_format{256, 110, run<decode_q3_k, 256, 110>};
-constexpr Format kQ4_K_format{256, 144, run<decode_q4_k, 256, 144>}, kQ5_K_format{256, 176, run<decode_q5_k, 256, 176>};
-constexpr Format kQ6_K_format{256, 210, run<decode_q6_k, 256, 210>};
+constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per pass
+
+// y[t, r] for t < rows (rows - 1 indexes the table), r in [first, last): one type's decode kernel.
+using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* x,
+                         int64_t first, int64_t last, float* y, int64_t out);
+
+// A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, AVX-512 ones.
+struct Kernels {
+  Format portable;
+  DecodeRun fast_decode;  // the same values as portable.decode
+  const DotRows* dots;    // kMaxRows entries, or nullptr: decode into a buffer, then dot
+};
+
+#ifdef PREFIXCACHE_GGUF_AVX512
+template <class D, size_t... R>
+constexpr std::array<DotRows, kMaxRows> dots_for(std::index_sequence<R...>) {
+  return {simd::dot_rows<D, static_cast<int>(R) + 1>...};
+}
+template <class D>
+constexpr std::array<DotRows, kMaxRows> kDots = dots_for<D>(std::make_index_sequence<kMaxRows>{});
+#define FAST(T) simd::run<simd::T>, kDots<simd::T>.data()
+#else
+#define FAST(T) nullptr, nullptr
+#endif
+
+#define BLOCKS(T, f, V, B) {{V, B, run<f, V, B>}, FAST(T)}
+constexpr Kernels kF32_kernels{{1, 4, run_f32}, nullptr, nullptr};
+constexpr Kernels kF16_kernels{{1, 2, run_f16}, nullptr, nullptr};
+constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, nullptr, nullptr};
+constexpr Kernels kQ4_0_kernels BLOCKS(Q4_0, decode_q4_0, 32, 18);
+constexpr Kernels kQ4_1_kernels BLOCKS(Q4_1, decode_q4_1, 32, 20);
+constexpr Kernels kQ5_0_kernels BLOCKS(Q5_0, decode_q5_0, 32, 22);
+constexpr Kernels kQ5_1_kernels BLOCKS(Q5_1, decode_q5_1, 32, 24);
+constexpr Kernels kQ8_0_kernels BLOCKS(Q8_0, decode_q8_0, 32, 34);
+constexpr Kernels kQ2_K_kernels{{256, 84, run<decode_q2_k, 256, 84>}, nullptr, nullptr};
+constexpr Kernels kQ3_K_kernels{{256, 110, run<decode_q3_k, 256, 110>}, nullptr, nullptr};
+constexpr Kernels kQ4_K_kernels BLOCKS(Q4_K, decode_q4_k, 256, 144);
+constexpr Kernels kQ5_K_kernels BLOCKS(Q5_K, decode_q5_k, 256, 176);
+constexpr Kernels kQ6_K_kernels BLOCKS(Q6_K, decode_q6_k, 256, 210);
+#undef BLOCKS
+#undef FAST
+
+const Kernels* kernels_of(int64_t type) {
+  switch (type) {
+    case kF32: return &kF32_kernels;
+    case kF16: return &kF16_kernels;
+    case kBF16: return &kBF16_kernels;
+    case kQ4_0: return &kQ4_0_kernels;
+    case kQ4_1: return &kQ4_1_kernels;
+    case kQ5_0: return &kQ5_0_kernels;
+    case kQ5_1: return &kQ5_1_kernels;
+    case kQ8_0: return &kQ8_0_kernels;
+    case kQ2_K: return &kQ2_K_kernels;
+    case kQ3_K: return &kQ3_K_kernels;
+    case kQ4_K: return &kQ4_K_kernels;
+    case kQ5_K: return &kQ5_K_kernels;
+    case kQ6_K: return &kQ6_K_kernels;
+    default: return nullptr;
+  }
+}
 
 constexpr int64_t kChunk = 256;       // values decoded at a time by the decode kernel
-constexpr int64_t kMaxRows = 8;       // activation rows the decode kernel takes per pass
 constexpr int64_t kTileBytes = 1 << 19;  // fp32 bytes of a prefill tile of weights
 
 struct Matrix {
   const uint8_t* data;
   int64_t rows, row_bytes, in;
   const Format* f;
+  const Kernels* k;
 
   const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
-  void decode_rows(int64_t first, int64_t count, float* dst) const {
-    for (int64_t r = 0; r < count; ++r) f->decode(row(first + r), in / f->values, dst + r * in);
+  // Rows [first, first + count) into dst, with the fast decoder unless `portable`.
+  void decode_rows(int64_t first, int64_t count, float* dst, bool portable = false) const {
+    DecodeRun decode = portable || !k->fast_decode ? f->decode : k->fast_decode;
+    for (int64_t r = 0; r < count; ++r) decode(row(first + r), in / f->values, dst + r * in);
   }
 };
 
 Matrix matrix(const at::Tensor& blocks, int64_t type, int64_t in) {
-  const Format* f = format(type);
-  TORCH_CHECK(f != nullptr, "unsupported GGML type ", type);
+  const Kernels* k = kernels_of(type);
+  TORCH_CHECK(k != nullptr, "unsupported GGML type ", type);
+  const Format* f = &k->portable;
   TORCH_CHECK(in > 0 && in % f->values == 0, "in_features ", in, " is not a multiple of ", f->values);
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
                   blocks.size(1) == in / f->values * f->bytes,
               "blocks must be contiguous uint8 [out, ", in / f->values * f->bytes, "]");
-  return {blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), in, f};
+  return {blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), in, f, k};
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -101,7 +160,11 @@ void decode_matmul(const Matrix& w, const float* x, int64_t tokens, float* y) {
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
     int64_t rows = std::min(kMaxRows, tokens - t0);
     at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
-      dot_rows(w, x + t0 * w.in, rows, first, last, y + t0 * w.rows, w.rows);
+      if (w.k->dots) {
+        w.k->dots[rows - 1](w.data, w.row_bytes, w.in, x + t0 * w.in, first, last, y + t0 * w.rows, w.rows);
+      } else {
+        dot_rows(w, x + t0 * w.in, rows, first, last, y + t0 * w.rows, w.rows);
+      }
     });
   }
 }
@@ -120,12 +183,12 @@ void prefill_matmul(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
   }
 }
 
-at::Tensor dequantize_op(const at::Tensor& blocks, int64_t type, int64_t in) {
+at::Tensor dequantize_op(const at::Tensor& blocks, int64_t type, int64_t in, bool portable) {
   Matrix w = matrix(blocks, type, in);
   at::Tensor out = at::empty({w.rows, in}, blocks.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, w.rows, std::max<int64_t>(1, 65536 / in), [&](int64_t a, int64_t b) {
-    w.decode_rows(a, b - a, dst + a * in);
+    w.decode_rows(a, b - a, dst + a * in, portable);
   });
   return out;
 }
@@ -147,26 +210,12 @@ at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type
 }  // namespace
 
 const Format* format(int64_t type) {
-  switch (type) {
-    case kF32: return &kF32_format;
-    case kF16: return &kF16_format;
-    case kBF16: return &kBF16_format;
-    case kQ4_0: return &kQ4_0_format;
-    case kQ4_1: return &kQ4_1_format;
-    case kQ5_0: return &kQ5_0_format;
-    case kQ5_1: return &kQ5_1_format;
-    case kQ8_0: return &kQ8_0_format;
-    case kQ2_K: return &kQ2_K_format;
-    case kQ3_K: return &kQ3_K_format;
-    case kQ4_K: return &kQ4_K_format;
-    case kQ5_K: return &kQ5_K_format;
-    case kQ6_K: return &kQ6_K_format;
-    default: return nullptr;
-  }
+  const Kernels* k = kernels_of(type);
+  return k ? &k->portable : nullptr;
 }
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
-  m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
   m.def(
       "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "
       "int max_decode_rows) -> Tensor");
