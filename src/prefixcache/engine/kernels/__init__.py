@@ -29,6 +29,7 @@ SOURCES = (
     "decode_layer.h",
     "gguf_blocks.h",
     "gguf_matmul.cpp",
+    "gguf_simd.h",
     "head_logits.cpp",
     "head_logits.h",
     "round_bf16.cpp",

@@ -44,7 +44,6 @@ def weight_type(ggml_type: int, tensor: str = "tensor") -> WeightType:
         except ValueError:
             name = "unknown"
         supported = ", ".join(t.name for t in WEIGHT_TYPES.values())
-        raise ValueError(
-            f"{tensor}: GGML type {int(ggml_type)} ({name}) is not supported (supported: {supported})"
-        )
+        message = f"GGML type {int(ggml_type)} ({name}) is not supported (supported: {supported})"
+        raise ValueError(f"{tensor}: {message}")
     return found

@@ -107,6 +107,8 @@ class PackedWeight:
     def _index(self, ids: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
         """`ids` as int64, each checked to be a row of this matrix."""
         index = torch.as_tensor(ids)
+        if index.numel() == 0:
+            index = index.long()
         if index.dtype.is_floating_point or index.dtype == torch.bool:
             raise ValueError(f"{self.name}: {what}s must be integers, got {index.dtype}")
         index = index.long()
