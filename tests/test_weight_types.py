@@ -17,38 +17,12 @@ from prefixcache.engine import kernels
 from prefixcache.engine.cache_folder import default_cache_dir
 from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight, WeightType
 from prefixcache.engine.weight_types import packed_weight as packed_weight_module
+from prefixcache.engine.weight_types.random_blocks import random_blocks
 
 TYPES = {t.name: t for t in WEIGHT_TYPES.values()}
-# Byte offsets of each type's fp16 scales (and minimums) inside its block: the rest of a
-# block may be any bytes, these must be finite.
-SCALE_OFFSETS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-}  # fmt: skip
-DECODE_ROWS = range(1, 9)
+DECODE_ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows
 PREFILL_ROWS = (48, 200)
 UNIT = 2.0**-24
-
-
-def random_blocks(wtype: WeightType, out: int, num_in: int, seed: int = 0) -> np.ndarray:
-    """Valid random bytes of an `[out, in]` matrix: random codes, sane fp16 scales (some
-    zero, some subnormal), random finite values for the float types."""
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal((out, num_in)).astype(np.float32)
-    if wtype.name == "F32":
-        return values.view(np.uint8)
-    if wtype.name == "F16":
-        return values.astype(np.float16).view(np.uint8)
-    if wtype.name == "BF16":
-        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    blocks = num_in // wtype.block_values
-    raw = rng.integers(0, 256, (out, blocks, wtype.block_bytes), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[wtype.name]:
-        scales = (rng.standard_normal((out, blocks)) * 0.01).astype(np.float16)
-        scales[rng.random((out, blocks)) < 0.03] = 0
-        scales[rng.random((out, blocks)) < 0.03] = np.float16(3e-6)  # subnormal in fp16
-        raw[..., offset : offset + 2] = scales.view(np.uint8).reshape(out, blocks, 2)
-    return raw.reshape(out, -1)
 
 
 def reference(raw: np.ndarray, wtype: WeightType, shape: tuple[int, int]) -> np.ndarray:

@@ -5,8 +5,10 @@
 // (gguf_blocks.h); activations stay fp32; products and sums are fp32 (FMA), in an order that
 // differs from a dense matmul's. So it equals `x @ dequantize().T` up to fp32 summation order:
 // |error| <= in * 2^-24 * sum_i |w_i x_i| (the usual bound of an fp32 dot product).
-//   - Few rows (decode): each row of blocks is decoded 256 values at a time into a buffer that
-//     stays in L1 and dotted with every activation row, parallel over output rows.
+//   - Few rows (decode, up to the caller's `max_decode_rows`): parallel over output rows, 8
+//     activation rows a pass; with AVX-512 each 32 weights are decoded into two registers
+//     and multiplied into every row (gguf_simd.h), elsewhere 256 values at a time are decoded
+//     into a buffer that stays in L1 and dotted with every row.
 //   - Many rows (prefill): a tile of output rows is decoded into an fp32 buffer that stays in
 //     cache and multiplied by sgemm (at::mm), tile after tile.
 #include <ATen/ATen.h>
@@ -46,7 +48,8 @@ void run_bf16(const uint8_t* src, int64_t n, float* dst) {
 constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per pass
 
 // y[t, r] for t < rows (rows - 1 indexes the table), r in [first, last): one type's decode kernel.
-using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* x,
+// (x interleaved by simd::interleave).
+using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
                          int64_t first, int64_t last, float* y, int64_t out);
 
 // A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, AVX-512 ones.
@@ -139,9 +142,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// y[t, r] for `t` in [0, rows) of x, r in [first, last): the decode kernel's inner loops.
-void dot_rows(const Matrix& w, const float* x, int64_t rows, int64_t first, int64_t last,
-              float* y, int64_t out) {
+// y[t, r] for `t` in [0, rows) of x (`x_stride` floats apart), r in [first, last): the
+// portable decode kernel, 256 values decoded at a time into a buffer that stays in L1.
+void dot_rows(const Matrix& w, const float* x, int64_t x_stride, int64_t rows, int64_t first,
+              int64_t last, float* y, int64_t out) {
   alignas(64) float buffer[kChunk];
   const int64_t per_chunk = std::max<int64_t>(1, kChunk / w.f->values);
   for (int64_t r = first; r < last; ++r) {
@@ -149,21 +153,29 @@ void dot_rows(const Matrix& w, const float* x, int64_t rows, int64_t first, int6
     for (int64_t b = 0, blocks = w.in / w.f->values; b < blocks; b += per_chunk) {
       int64_t count = std::min(per_chunk, blocks - b), start = b * w.f->values;
       w.f->decode(w.row(r) + b * w.f->bytes, count, buffer);
-      for (int64_t t = 0; t < rows; ++t) acc[t] += dot(buffer, x + t * w.in + start, count * w.f->values);
+      for (int64_t t = 0; t < rows; ++t) {
+        acc[t] += dot(buffer, x + t * x_stride + start, count * w.f->values);
+      }
     }
     for (int64_t t = 0; t < rows; ++t) y[t * out + r] = acc[t];
   }
 }
 
-void decode_matmul(const Matrix& w, const float* x, int64_t tokens, float* y) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / w.in);
+void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
+  const int64_t tokens = x.size(0), grain = std::max<int64_t>(1, 16384 / w.in);
+  const float* xs = x.data_ptr<float>();
+  std::vector<float> packed(w.k->dots ? std::min(tokens, kMaxRows) * w.in : 0);
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
-    int64_t rows = std::min(kMaxRows, tokens - t0);
+    const int64_t rows = std::min(kMaxRows, tokens - t0);
+    float* ys = y + t0 * w.rows;
+#ifdef PREFIXCACHE_GGUF_AVX512
+    if (w.k->dots) simd::interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
+#endif
     at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
       if (w.k->dots) {
-        w.k->dots[rows - 1](w.data, w.row_bytes, w.in, x + t0 * w.in, first, last, y + t0 * w.rows, w.rows);
+        w.k->dots[rows - 1](w.data, w.row_bytes, w.in, packed.data(), first, last, ys, w.rows);
       } else {
-        dot_rows(w, x + t0 * w.in, rows, first, last, y + t0 * w.rows, w.rows);
+        dot_rows(w, xs + t0 * w.in, w.in, rows, first, last, ys, w.rows);
       }
     });
   }
@@ -200,7 +212,7 @@ at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type
               "x must be contiguous fp32 [tokens, ", in, "]");
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   if (x.size(0) <= max_decode_rows) {
-    decode_matmul(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+    decode_matmul(w, x, y.data_ptr<float>());
   } else {
     prefill_matmul(w, x, y);
   }

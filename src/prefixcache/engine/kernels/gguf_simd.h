@@ -183,28 +183,48 @@ void run(const uint8_t* src, int64_t count, float* dst) {
   }
 }
 
-// y[t, r] += W[r] . x[t] for `Rows` activation rows and output rows [first, last).
+// `rows` activation rows of `in` floats (`stride` apart) interleaved per 16 inputs, the layout
+// dot_rows reads: the 16 floats of inputs 16c..16c+15 of row t at packed[(c * rows + t) * 16].
+// Each load is then one base plus a constant (with 16 rows in their own layout the kernel ran
+// out of address registers, and rows a multiple of 4 KiB apart share L1 sets).
+inline void interleave(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed) {
+  for (int64_t c = 0; c < in / 16; ++c) {
+    for (int64_t t = 0; t < rows; ++t) {
+      _mm512_storeu_ps(packed + (c * rows + t) * 16, _mm512_loadu_ps(x + t * stride + 16 * c));
+    }
+  }
+}
+
+// y[t, r] = W[r] . x[t] for `Rows` interleaved activation rows and output rows [first, last):
+// each part decoded once into registers, then one FMA per row (two sums a row up to 4 rows,
+// for the FMA latency; one above, where the rows give enough independent sums).
 template <class D, int Rows>
-void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const float* x, int64_t first,
-              int64_t last, float* y, int64_t out) {
+void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
+              int64_t first, int64_t last, float* y, int64_t out) {
+  constexpr int kSums = Rows <= 4 ? 2 : 1;
   const int64_t blocks = in / D::kValues;
   for (int64_t r = first; r < last; ++r) {
-    __m512 acc_lo[Rows], acc_hi[Rows];
-    for (int t = 0; t < Rows; ++t) acc_lo[t] = acc_hi[t] = _mm512_setzero_ps();
+    __m512 acc[Rows][kSums];
+    for (int t = 0; t < Rows; ++t) {
+      for (int s = 0; s < kSums; ++s) acc[t][s] = _mm512_setzero_ps();
+    }
     const uint8_t* block = w + r * row_bytes;
+    const float* xp = packed;
     for (int64_t b = 0; b < blocks; ++b, block += D::kBytes) {
       const typename D::State state(block);
-      for (int p = 0; p < D::kParts; ++p) {
+      for (int p = 0; p < D::kParts; ++p, xp += 32 * Rows) {
         __m512 lo, hi;
         D::part(block, state, p, lo, hi);
-        const float* xp = x + b * D::kValues + 32 * p;
         for (int t = 0; t < Rows; ++t) {
-          acc_lo[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + t * in), acc_lo[t]);
-          acc_hi[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + t * in + 16), acc_hi[t]);
+          acc[t][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + 16 * t), acc[t][0]);
+          acc[t][kSums - 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + 16 * (Rows + t)), acc[t][kSums - 1]);
         }
       }
     }
-    for (int t = 0; t < Rows; ++t) y[t * out + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t]));
+    for (int t = 0; t < Rows; ++t) {
+      __m512 sum = kSums == 2 ? _mm512_add_ps(acc[t][0], acc[t][kSums - 1]) : acc[t][0];
+      y[t * out + r] = _mm512_reduce_add_ps(sum);
+    }
   }
 }
 

@@ -15,23 +15,28 @@ class WeightType:
     name: str
     block_values: int
     block_bytes: int
+    scale_offsets: tuple[int, ...]  # where each block's fp16 scales (and minimums) sit
 
     def row_bytes(self, num_in: int) -> int:
         """Bytes of one row of `num_in` weights (a whole number of blocks)."""
         return num_in // self.block_values * self.block_bytes
 
 
-_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-_NAMES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Each type by name, with the byte offsets of its blocks' fp16 scale fields.
+_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
+    "F32": (), "F16": (), "BF16": (),
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
 
 
 def _weight_type(name: str) -> WeightType:
     code = gguf.GGMLQuantizationType[name]
     values, nbytes = gguf.GGML_QUANT_SIZES[code]
-    return WeightType(int(code), name, values, nbytes)
+    return WeightType(int(code), name, values, nbytes, _SCALE_OFFSETS[name])
 
 
-WEIGHT_TYPES: dict[int, WeightType] = {t.code: t for t in map(_weight_type, _NAMES)}
+WEIGHT_TYPES: dict[int, WeightType] = {t.code: t for t in map(_weight_type, _SCALE_OFFSETS)}
 
 
 def weight_type(ggml_type: int, tensor: str = "tensor") -> WeightType:

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from prefixcache.engine import kernels
 from prefixcache.engine.weight_types.formats import WeightType, weight_type
 
-# Up to this many activation rows the decode kernel (a matrix-vector product per 8 rows)
-# runs; above it, tiles of dequantized weights go through sgemm (benchmarks/weight_types.py).
-MAX_DECODE_ROWS = 8
+# Up to this many activation rows the decode kernel runs (8 rows a pass, each pass decoding
+# the weights again); above it, tiles of dequantized weights go through sgemm. Measured with
+# `benchmarks/weight_types.py --crossover`: equal at ~32 rows for 2048 inputs, ~64 for 640.
+MAX_DECODE_ROWS = 32
 
 
 class PackedWeight:
