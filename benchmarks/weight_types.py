@@ -106,22 +106,25 @@ def bench_dense(shape: tuple[int, int]) -> str:
     return row("dense fp32", nbytes, hot, cold, prefill, 2.0 * shape[0] * shape[1] * PREFILL_ROWS)
 
 
-def crossover(types: list[str], shape: tuple[int, int]) -> None:
-    """Decode kernel vs prefill kernel (ms) per row count, forced through the op's threshold."""
+def forced(weight: PackedWeight, x: torch.Tensor, max_decode_rows: int) -> torch.Tensor:
+    """`weight.matmul(x)` through the decode kernel (a large limit) or the prefill one (0)."""
+    op = torch.ops.prefixcache.gguf_matmul
+    return op(x, weight.blocks, weight.wtype.code, weight.shape[1], max_decode_rows)
+
+
+def crossover(types: list[str]) -> None:
+    """Decode kernel vs prefill kernel (ms) per row count, on both Gemma shapes they can take."""
     for name in types:
-        wtype = TYPES[name]
-        weight = packed(wtype, shape)
-        cells = []
-        for rows in (8, 16, 32, 48, 64, 128, 256):
-            x = torch.randn(rows, shape[1])
-
-            def call(limit: int) -> torch.Tensor:
-                op = torch.ops.prefixcache.gguf_matmul
-                return op(x, weight.blocks, wtype.code, shape[1], limit)
-
-            decode, prefill = seconds(lambda: call(1 << 30), 10), seconds(lambda: call(0), 10)
-            cells.append(f"{rows}: {decode * 1e3:.2f}/{prefill * 1e3:.2f}")
-        print(f"{name} {list(shape)} decode/prefill ms  " + "  ".join(cells))
+        for shape in ((640, 2048), (2048, 640)):
+            if shape[1] % TYPES[name].block_values:
+                continue
+            weight, cells = packed(TYPES[name], shape), []
+            for rows in (8, 16, 32, 48, 64, 128, 256):
+                x = torch.randn(rows, shape[1])
+                decode = seconds(lambda: forced(weight, x, 1 << 30), 10)  # noqa: B023 (called now)
+                prefill = seconds(lambda: forced(weight, x, 0), 10)  # noqa: B023
+                cells.append(f"{rows}: {decode * 1e3:.2f}/{prefill * 1e3:.2f}")
+            print(f"{name} {list(shape)} decode/prefill ms  " + "  ".join(cells))
 
 
 def main() -> None:
@@ -133,7 +136,7 @@ def main() -> None:
     assert kernels.available(), "the native kernels did not build"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.crossover:
-        crossover(types, (640, 2048))
+        crossover(types)
         return
     for shape in SHAPES:
         print(f"[{shape[0]} x {shape[1]}] (out x in), prefill {PREFILL_ROWS} rows")
