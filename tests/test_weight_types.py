@@ -124,6 +124,8 @@ def test_row_operations(native: None, name: str) -> None:
     assert fused.shape == (60, 256) and fused.nbytes == weight.nbytes * 60 // 40
     assert_same_bits(fused.dequantize(), torch.cat([dense[:10], dense, dense[:10]]).numpy())
     assert_matmul_within_bound(fused, torch.randn(2, 256))
+    assert weight.take_rows([]).matmul(torch.randn(3, 256)).shape == (3, 0)
+    assert weight.matmul(torch.randn(0, 256)).shape == (0, 40)
 
 
 def test_row_ids_out_of_range_are_refused(native: None) -> None:

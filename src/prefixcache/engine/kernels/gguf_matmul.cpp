@@ -164,16 +164,18 @@ void dot_rows(const Matrix& w, const float* x, int64_t x_stride, int64_t rows, i
 void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   const int64_t tokens = x.size(0), grain = std::max<int64_t>(1, 16384 / w.in);
   const float* xs = x.data_ptr<float>();
-  std::vector<float> packed(w.k->dots ? std::min(tokens, kMaxRows) * w.in : 0);
+  // One row interleaved is the row itself: only more rows are copied.
+  std::vector<float> packed(w.k->dots && tokens > 1 ? std::min(tokens, kMaxRows) * w.in : 0);
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, tokens - t0);
     float* ys = y + t0 * w.rows;
 #ifdef PREFIXCACHE_GGUF_AVX512
-    if (w.k->dots) simd::interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
+    if (w.k->dots && rows > 1) simd::interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
 #endif
     at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
       if (w.k->dots) {
-        w.k->dots[rows - 1](w.data, w.row_bytes, w.in, packed.data(), first, last, ys, w.rows);
+        const float* xp = rows > 1 ? packed.data() : xs + t0 * w.in;
+        w.k->dots[rows - 1](w.data, w.row_bytes, w.in, xp, first, last, ys, w.rows);
       } else {
         dot_rows(w, xs + t0 * w.in, w.in, rows, first, last, ys, w.rows);
       }
@@ -211,6 +213,7 @@ at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == in && x.is_contiguous(),
               "x must be contiguous fp32 [tokens, ", in, "]");
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  if (y.numel() == 0) return y;
   if (x.size(0) <= max_decode_rows) {
     decode_matmul(w, x, y.data_ptr<float>());
   } else {
