@@ -95,6 +95,22 @@ def test_matmul_on_gemma_shapes(native: None, name: str) -> None:
         assert_matmul_within_bound(weight, torch.randn(rows, shape[1], generator=generator))
 
 
+@pytest.mark.parametrize("name", ["Q5_0", "Q6_K", "BF16"])
+def test_matmul_split_over_two_threads(native: None, name: str) -> None:
+    """The suite runs one torch thread: here the kernels' parallel loops split the rows."""
+    wtype = TYPES[name]
+    shape = (300, 512)
+    weight = PackedWeight.from_gguf(random_blocks(wtype, *shape, seed=9), wtype.code, shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(10)
+        for rows in (1, 8, 20, 48):
+            assert_matmul_within_bound(weight, torch.randn(rows, 512, generator=generator))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("name", ["F32", "Q4_K", "Q6_K"])
 def test_without_native_kernels(no_native: None, name: str) -> None:
     wtype = TYPES[name]
@@ -193,7 +209,8 @@ def gemma_file() -> str:
 
 def test_gemma_q4_k_m_tensors_dequantize_bit_exactly(native: None, gemma_file: str) -> None:
     """Every quantized tensor of a real Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0) against gguf-py;
-    the [262144 x 640] embedding on a random eighth of its rows (gguf-py takes ~7 s for all)."""
+    the [262144 x 640] embedding on a random 16th of its rows (gguf-py takes ~7 s for all).
+    The first tensor of each type also goes through the kernels."""
     reader = gguf.GGUFReader(gemma_file)
     seen: dict[str, int] = {}
     for tensor in reader.tensors:
@@ -203,8 +220,11 @@ def test_gemma_q4_k_m_tensors_dequantize_bit_exactly(native: None, gemma_file: s
         weight = PackedWeight.from_gguf(tensor.data, tensor.tensor_type, (out, num_in), tensor.name)
         rows = np.arange(out)
         if out > 100_000:
-            rows = np.sort(np.random.default_rng(8).choice(out, out // 8, replace=False))
+            rows = np.sort(np.random.default_rng(8).choice(out, out // 16, replace=False))
         expected = gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type)
         assert_same_bits(weight.dequantize_rows(torch.from_numpy(rows)), expected)
+        if tensor.tensor_type.name not in seen and out < 100_000:  # the kernels on real blocks
+            for count in (1, 8, 48):
+                assert_matmul_within_bound(weight, torch.randn(count, num_in))
         seen[tensor.tensor_type.name] = seen.get(tensor.tensor_type.name, 0) + 1
     assert seen == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
