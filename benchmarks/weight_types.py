@@ -1,0 +1,151 @@
+"""GGUF weight types' kernels (engine/weight_types) on Gemma-3-270M-like shapes.
+
+Per type and shape: decode (1 row) and prefill (256 rows) through `PackedWeight.matmul`,
+beside torch's int4 kernel path (`quant.Int4Linear` on a Q4_0 matrix of the same shape: its
+int4 kernel for 1 row, its dense bf16-rounded path for 256) and a dense fp32 `F.linear`.
+"hot" repeats one matrix (it stays in the 32 MB L3 here); "cold" cycles through copies
+totalling `COLD_BYTES`, as a model's decode step reads each weight once from memory. GB/s
+counts the bytes each kernel reads (the GGUF bytes; int4: packed codes and bf16 scale pairs;
+dense: fp32). `--crossover` times the decode kernel against the prefill one per row count
+instead (what `packed_weight.MAX_DECODE_ROWS` is set from). Run alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.engine import kernels, quant
+from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight, WeightType
+from prefixcache.engine.weight_types.random_blocks import random_blocks
+
+SHAPES = ((2048, 640), (640, 2048), (1024, 640), (640, 1024))  # [out, in]
+DEFAULT_TYPES = ("Q5_0", "Q4_K", "Q6_K", "Q8_0")
+PREFILL_ROWS = 256
+COLD_BYTES = 96 << 20
+TYPES = {t.name: t for t in WEIGHT_TYPES.values()}
+
+
+def seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `call` after one warm-up."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cold_seconds(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+    """Median time per call while cycling through `calls` (each on its own copy)."""
+    return seconds(lambda: [c() for c in calls], rounds) / len(calls)
+
+
+def copies(nbytes: int) -> int:
+    return max(2, -(-COLD_BYTES // nbytes))
+
+
+def row(label: str, nbytes: int, hot: float, cold: float, prefill: float, flops: float) -> str:
+    return (
+        f"  {label:<12} {nbytes / 1e6:6.2f} MB | decode hot {hot * 1e3:7.3f} ms "
+        f"{nbytes / hot / 1e9:5.1f} GB/s, cold {cold * 1e3:7.3f} ms {nbytes / cold / 1e9:5.1f} GB/s"
+        f" | prefill {prefill * 1e3:7.2f} ms {flops / prefill / 1e9:6.1f} GFLOP/s"
+    )
+
+
+def packed(wtype: WeightType, shape: tuple[int, int], seed: int = 0) -> PackedWeight:
+    return PackedWeight.from_gguf(random_blocks(wtype, *shape, seed), wtype.code, shape)
+
+
+def bench_type(wtype: WeightType, shape: tuple[int, int]) -> str:
+    x1, xp = torch.randn(1, shape[1]), torch.randn(PREFILL_ROWS, shape[1])
+    weights = [packed(wtype, shape, seed) for seed in range(copies(packed(wtype, shape).nbytes))]
+    hot = seconds(lambda: weights[0].matmul(x1), 200)
+    cold = cold_seconds([lambda w=w: w.matmul(x1) for w in weights])
+    prefill = seconds(lambda: weights[0].matmul(xp), 10)
+    flops = 2.0 * shape[0] * shape[1] * PREFILL_ROWS
+    return row(f"{wtype.name}", weights[0].nbytes, hot, cold, prefill, flops)
+
+
+def bench_int4(shape: tuple[int, int]) -> str:
+    q4 = TYPES["Q4_0"]
+    x1, xp = torch.randn(1, shape[1]), torch.randn(PREFILL_ROWS, shape[1])
+
+    def linear(seed: int) -> quant.Int4Linear:
+        raw = random_blocks(q4, *shape, seed)
+        return quant.Int4Linear(quant.q4_blocks(raw, q4.code, shape))
+
+    first = linear(0)
+    linears = [first, *(linear(s) for s in range(1, copies(first.nbytes_read)))]
+    hot = seconds(lambda: first(x1), 200)
+    cold = cold_seconds([lambda f=f: f(x1) for f in linears])
+    prefill = seconds(lambda: first(xp.clone()), 10)  # its prefill path rounds x in place
+    return row(
+        "int4 (Q4_0)",
+        first.nbytes_read,
+        hot,
+        cold,
+        prefill,
+        2.0 * shape[0] * shape[1] * PREFILL_ROWS,
+    )
+
+
+def bench_dense(shape: tuple[int, int]) -> str:
+    x1, xp = torch.randn(1, shape[1]), torch.randn(PREFILL_ROWS, shape[1])
+    nbytes = shape[0] * shape[1] * 4
+    matrices = [torch.randn(shape) for _ in range(copies(nbytes))]
+    hot = seconds(lambda: F.linear(x1, matrices[0]), 200)
+    cold = cold_seconds([lambda m=m: F.linear(x1, m) for m in matrices])
+    prefill = seconds(lambda: F.linear(xp, matrices[0]), 10)
+    return row("dense fp32", nbytes, hot, cold, prefill, 2.0 * shape[0] * shape[1] * PREFILL_ROWS)
+
+
+def forced(weight: PackedWeight, x: torch.Tensor, max_decode_rows: int) -> torch.Tensor:
+    """`weight.matmul(x)` through the decode kernel (a large limit) or the prefill one (0)."""
+    op = torch.ops.prefixcache.gguf_matmul
+    return op(x, weight.blocks, weight.wtype.code, weight.shape[1], max_decode_rows)
+
+
+def crossover(types: list[str]) -> None:
+    """Decode kernel vs prefill kernel (ms) per row count, on both Gemma shapes they can take."""
+    for name in types:
+        for shape in ((640, 2048), (2048, 640)):
+            if shape[1] % TYPES[name].block_values:
+                continue
+            weight, cells = packed(TYPES[name], shape), []
+            for rows in (8, 16, 32, 48, 64, 128, 256):
+                x = torch.randn(rows, shape[1])
+                decode = seconds(lambda: forced(weight, x, 1 << 30), 10)  # noqa: B023 (called now)
+                prefill = seconds(lambda: forced(weight, x, 0), 10)  # noqa: B023
+                cells.append(f"{rows}: {decode * 1e3:.2f}/{prefill * 1e3:.2f}")
+            print(f"{name} {list(shape)} decode/prefill ms  " + "  ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES), help="comma-separated")
+    parser.add_argument("--crossover", action="store_true", help="decode vs prefill kernel")
+    args = parser.parse_args()
+    types = args.types.split(",")
+    assert kernels.available(), "the native kernels did not build"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.crossover:
+        crossover(types)
+        return
+    for shape in SHAPES:
+        print(f"[{shape[0]} x {shape[1]}] (out x in), prefill {PREFILL_ROWS} rows")
+        for name in types:
+            if shape[1] % TYPES[name].block_values == 0:
+                print(bench_type(TYPES[name], shape))
+        print(bench_int4(shape))
+        print(bench_dense(shape))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+// torch.ops.prefixcache.gguf_dequantize / gguf_matmul: matrices kept in a GGUF's own blocks
+// (weight_types.PackedWeight), `[out, row bytes]` uint8, decoded on the fly.
+//
+// Numerical contract of gguf_matmul: each weight takes exactly its dequantized fp32 value
+// (gguf_blocks.h); activations stay fp32; products and sums are fp32 (FMA), in an order that
+// differs from a dense matmul's. So it equals `x @ dequantize().T` up to fp32 summation order:
+// |error| <= in * 2^-24 * sum_i |w_i x_i| (the usual bound of an fp32 dot product).
+//   - Few rows (decode, up to the caller's `max_decode_rows`): parallel over output rows, 8
+//     activation rows a pass; with AVX-512 each 32 weights are decoded into two registers
+//     and multiplied into every row (gguf_simd.h), elsewhere 256 values at a time are decoded
+//     into a buffer that stays in L1 and dotted with every row.
+//   - Many rows (prefill): a tile of output rows is decoded into an fp32 buffer that stays in
+//     cache and multiplied by sgemm (at::mm), tile after tile.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "gguf_simd.h"
+
+namespace prefixcache::gguf {
+
+namespace {
+
+template <void (*Block)(const uint8_t*, float*), int64_t Values, int64_t Bytes>
+void run(const uint8_t* src, int64_t blocks, float* dst) {
+  for (int64_t i = 0; i < blocks; ++i) Block(src + i * Bytes, dst + i * Values);
+}
+
+void run_f32(const uint8_t* src, int64_t n, float* dst) { std::memcpy(dst, src, n * 4); }
+
+void run_f16(const uint8_t* src, int64_t n, float* dst) {
+  const c10::Half* h = reinterpret_cast<const c10::Half*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(h[i]);
+}
+
+void run_bf16(const uint8_t* src, int64_t n, float* dst) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(h[i]) << 16;
+}
+
+constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per pass
+
+// y[t, r] for t < rows (rows - 1 indexes the table), r in [first, last): one type's decode kernel.
+// (x interleaved by simd::interleave).
+using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
+                         int64_t first, int64_t last, float* y, int64_t out);
+
+// A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, AVX-512 ones.
+struct Kernels {
+  Format portable;
+  DecodeRun fast_decode;  // the same values as portable.decode
+  const DotRows* dots;    // kMaxRows entries, or nullptr: decode into a buffer, then dot
+};
+
+#ifdef PREFIXCACHE_GGUF_AVX512
+template <class D, size_t... R>
+constexpr std::array<DotRows, kMaxRows> dots_for(std::index_sequence<R...>) {
+  return {simd::dot_rows<D, static_cast<int>(R) + 1>...};
+}
+template <class D>
+constexpr std::array<DotRows, kMaxRows> kDots = dots_for<D>(std::make_index_sequence<kMaxRows>{});
+#define FAST(T) simd::run<simd::T>, kDots<simd::T>.data()
+#else
+#define FAST(T) nullptr, nullptr
+#endif
+
+#define BLOCKS(T, f, V, B) {{V, B, run<f, V, B>}, FAST(T)}
+constexpr Kernels kF32_kernels{{1, 4, run_f32}, nullptr, nullptr};
+constexpr Kernels kF16_kernels{{1, 2, run_f16}, nullptr, nullptr};
+constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, nullptr, nullptr};
+constexpr Kernels kQ4_0_kernels BLOCKS(Q4_0, decode_q4_0, 32, 18);
+constexpr Kernels kQ4_1_kernels BLOCKS(Q4_1, decode_q4_1, 32, 20);
+constexpr Kernels kQ5_0_kernels BLOCKS(Q5_0, decode_q5_0, 32, 22);
+constexpr Kernels kQ5_1_kernels BLOCKS(Q5_1, decode_q5_1, 32, 24);
+constexpr Kernels kQ8_0_kernels BLOCKS(Q8_0, decode_q8_0, 32, 34);
+constexpr Kernels kQ2_K_kernels{{256, 84, run<decode_q2_k, 256, 84>}, nullptr, nullptr};
+constexpr Kernels kQ3_K_kernels{{256, 110, run<decode_q3_k, 256, 110>}, nullptr, nullptr};
+constexpr Kernels kQ4_K_kernels BLOCKS(Q4_K, decode_q4_k, 256, 144);
+constexpr Kernels kQ5_K_kernels BLOCKS(Q5_K, decode_q5_k, 256, 176);
+constexpr Kernels kQ6_K_kernels BLOCKS(Q6_K, decode_q6_k, 256, 210);
+#undef BLOCKS
+#undef FAST
+
+const Kernels* kernels_of(int64_t type) {
+  switch (type) {
+    case kF32: return &kF32_kernels;
+    case kF16: return &kF16_kernels;
+    case kBF16: return &kBF16_kernels;
+    case kQ4_0: return &kQ4_0_kernels;
+    case kQ4_1: return &kQ4_1_kernels;
+    case kQ5_0: return &kQ5_0_kernels;
+    case kQ5_1: return &kQ5_1_kernels;
+    case kQ8_0: return &kQ8_0_kernels;
+    case kQ2_K: return &kQ2_K_kernels;
+    case kQ3_K: return &kQ3_K_kernels;
+    case kQ4_K: return &kQ4_K_kernels;
+    case kQ5_K: return &kQ5_K_kernels;
+    case kQ6_K: return &kQ6_K_kernels;
+    default: return nullptr;
+  }
+}
+
+constexpr int64_t kChunk = 256;       // values decoded at a time by the decode kernel
+constexpr int64_t kTileBytes = 1 << 19;  // fp32 bytes of a prefill tile of weights
+
+struct Matrix {
+  const uint8_t* data;
+  int64_t rows, row_bytes, in;
+  const Format* f;
+  const Kernels* k;
+
+  const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
+  // Rows [first, first + count) into dst, with the fast decoder unless `portable`.
+  void decode_rows(int64_t first, int64_t count, float* dst, bool portable = false) const {
+    DecodeRun decode = portable || !k->fast_decode ? f->decode : k->fast_decode;
+    for (int64_t r = 0; r < count; ++r) decode(row(first + r), in / f->values, dst + r * in);
+  }
+};
+
+Matrix matrix(const at::Tensor& blocks, int64_t type, int64_t in) {
+  const Kernels* k = kernels_of(type);
+  TORCH_CHECK(k != nullptr, "unsupported GGML type ", type);
+  const Format* f = &k->portable;
+  TORCH_CHECK(in > 0 && in % f->values == 0, "in_features ", in, " is not a multiple of ", f->values);
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == in / f->values * f->bytes,
+              "blocks must be contiguous uint8 [out, ", in / f->values * f->bytes, "]");
+  return {blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), in, f, k};
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y[t, r] for `t` in [0, rows) of x (`x_stride` floats apart), r in [first, last): the
+// portable decode kernel, 256 values decoded at a time into a buffer that stays in L1.
+void dot_rows(const Matrix& w, const float* x, int64_t x_stride, int64_t rows, int64_t first,
+              int64_t last, float* y, int64_t out) {
+  alignas(64) float buffer[kChunk];
+  const int64_t per_chunk = std::max<int64_t>(1, kChunk / w.f->values);
+  for (int64_t r = first; r < last; ++r) {
+    float acc[kMaxRows] = {};
+    for (int64_t b = 0, blocks = w.in / w.f->values; b < blocks; b += per_chunk) {
+      int64_t count = std::min(per_chunk, blocks - b), start = b * w.f->values;
+      w.f->decode(w.row(r) + b * w.f->bytes, count, buffer);
+      for (int64_t t = 0; t < rows; ++t) {
+        acc[t] += dot(buffer, x + t * x_stride + start, count * w.f->values);
+      }
+    }
+    for (int64_t t = 0; t < rows; ++t) y[t * out + r] = acc[t];
+  }
+}
+
+void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
+  const int64_t tokens = x.size(0), grain = std::max<int64_t>(1, 16384 / w.in);
+  const float* xs = x.data_ptr<float>();
+  // One row interleaved is the row itself: only more rows are copied.
+  std::vector<float> packed(w.k->dots && tokens > 1 ? std::min(tokens, kMaxRows) * w.in : 0);
+  for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, tokens - t0);
+    float* ys = y + t0 * w.rows;
+#ifdef PREFIXCACHE_GGUF_AVX512
+    if (w.k->dots && rows > 1) simd::interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
+#endif
+    at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
+      if (w.k->dots) {
+        const float* xp = rows > 1 ? packed.data() : xs + t0 * w.in;
+        w.k->dots[rows - 1](w.data, w.row_bytes, w.in, xp, first, last, ys, w.rows);
+      } else {
+        dot_rows(w, xs + t0 * w.in, w.in, rows, first, last, ys, w.rows);
+      }
+    });
+  }
+}
+
+void prefill_matmul(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
+  const int64_t tile = std::clamp<int64_t>(kTileBytes / (4 * w.in), 16, w.rows);
+  at::Tensor buffer = at::empty({tile, w.in}, x.options());
+  float* dst = buffer.data_ptr<float>();
+  for (int64_t first = 0; first < w.rows; first += tile) {
+    int64_t count = std::min(tile, w.rows - first);
+    at::parallel_for(0, count, 1, [&](int64_t a, int64_t b) {
+      w.decode_rows(first + a, b - a, dst + a * w.in);
+    });
+    at::Tensor out = y.narrow(1, first, count);
+    at::mm_out(out, x, buffer.narrow(0, 0, count).t());
+  }
+}
+
+at::Tensor dequantize_op(const at::Tensor& blocks, int64_t type, int64_t in, bool portable) {
+  Matrix w = matrix(blocks, type, in);
+  at::Tensor out = at::empty({w.rows, in}, blocks.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, w.rows, std::max<int64_t>(1, 65536 / in), [&](int64_t a, int64_t b) {
+    w.decode_rows(a, b - a, dst + a * in, portable);
+  });
+  return out;
+}
+
+at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
+                     int64_t max_decode_rows) {
+  Matrix w = matrix(blocks, type, in);
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == in && x.is_contiguous(),
+              "x must be contiguous fp32 [tokens, ", in, "]");
+  at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  if (y.numel() == 0) return y;
+  if (x.size(0) <= max_decode_rows) {
+    decode_matmul(w, x, y.data_ptr<float>());
+  } else {
+    prefill_matmul(w, x, y);
+  }
+  return y;
+}
+
+}  // namespace
+
+const Format* format(int64_t type) {
+  const Kernels* k = kernels_of(type);
+  return k ? &k->portable : nullptr;
+}
+
+TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
+  m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
+  m.def(
+      "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "
+      "int max_decode_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
+  m.impl("gguf_dequantize", dequantize_op);
+  m.impl("gguf_matmul", matmul_op);
+}
+
+}  // namespace prefixcache::gguf
