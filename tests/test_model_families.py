@@ -245,16 +245,24 @@ def _llama3_rope_freqs(config: transformers.LlamaConfig) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[(n, q) for n in sorted(CASES) for q in (False, True)])
 def family_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    case = CASES[request.param]
+    """transformers' model, and ours from the GGUF: dense float32, or (`quantized`) running
+    every projection on the file's own blocks (int4 kernel for Q4_0/Q4_1, the packed
+    kernels for the rest)."""
+    name, quantized = request.param
+    case = CASES[name]
     reference = _hf_model(case)
-    path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
+    path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
     _write_gguf(case, reference, path)
     loaded = load_model(path)
     ours = build_model(loaded.config)
     ours.load_weights(loaded.state_dict)
-    return request.param, reference, ours, loaded
+    if quantized:
+        done = ours.quantize(loaded.quantized)
+        untied_lookup = {"model.embed_tokens.weight"} if not case.tied else set()
+        assert set(done) == set(loaded.quantized) - untied_lookup
+    return name, reference, ours, loaded
 
 
 def _ours(model: torch.nn.Module, ids: list[int], chunks: list[int]) -> torch.Tensor:

@@ -103,7 +103,8 @@ def test_the_dense_weights_are_the_kernels_own_dequantization() -> None:
 
 def test_int4_and_dense_kernels_give_the_same_numbers() -> None:
     """Same products, other summation order: equal but for rare one-ulp bf16 roundings."""
-    blocks = default_model().quantized["model.layers.2.mlp.down_proj.weight"]
+    blocks = quant.as_q4_blocks(default_model().quantized["model.layers.2.mlp.down_proj.weight"])
+    assert blocks is not None
     linear = Int4Linear(blocks)
     x = torch.randn(16, blocks.shape[1], generator=torch.Generator().manual_seed(2))
     a = quant.int4_matmul(linear, x.to(quant.KERNEL_DTYPE)).float()
@@ -133,6 +134,8 @@ def test_q4_blocks_dequantize_exactly_as_gguf_does() -> None:
     loaded = default_model()
     for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj"):  # q, k: permuted rows
         hf = f"model.layers.5.{name}.weight"
+        blocks = quant.as_q4_blocks(loaded.quantized[hf])
+        assert blocks is not None and torch.equal(blocks.dequantize(), loaded.state_dict[hf])
         assert torch.equal(loaded.quantized[hf].dequantize(), loaded.state_dict[hf])
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, size=(4, 2, 18), dtype=np.uint8)  # Q4_0: fp16 d, 16 bytes
@@ -143,9 +146,15 @@ def test_q4_blocks_dequantize_exactly_as_gguf_does() -> None:
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
 
 
-def test_q8_planes_sum_to_the_matrix() -> None:
-    blocks = default_model().quantized["model.embed_tokens.weight"]
+def _q8_head() -> quant.Q8Blocks:
+    """The default model's Q8_0 output matrix (its tied embedding) as `Q8Blocks`."""
+    blocks = quant.as_q8_blocks(default_model().quantized["model.embed_tokens.weight"])
     assert isinstance(blocks, quant.Q8Blocks)
+    return blocks
+
+
+def test_q8_planes_sum_to_the_matrix() -> None:
+    blocks = _q8_head()
     planes = blocks.planes().dequantize()
     exact = default_model().state_dict["model.embed_tokens.weight"]
     assert torch.equal(planes[: exact.shape[0]] + planes[exact.shape[0] :], exact)
@@ -155,7 +164,7 @@ def test_the_head_is_exact_where_the_argmax_can_be() -> None:
     """Approximate logits within their bound; exact fp32 for every possible argmax."""
     loaded = default_model()
     weight = loaded.state_dict["model.embed_tokens.weight"]
-    head = Int4Head(loaded.quantized["model.embed_tokens.weight"], weight)
+    head = Int4Head(_q8_head(), weight)
     hidden = torch.randn(12, weight.shape[1], generator=torch.Generator().manual_seed(5))
     hidden[6:] *= 4  # sharper rows, larger errors
     exact = torch.nn.functional.linear(hidden, weight)
@@ -176,7 +185,7 @@ def test_the_native_head_pass_gives_the_torch_paths_logits(monkeypatch) -> None:
     refined ones equal to fp32 rounding (summed in double there)."""
     loaded = default_model()
     weight = loaded.state_dict["model.embed_tokens.weight"]
-    head = Int4Head(loaded.quantized["model.embed_tokens.weight"], weight)
+    head = Int4Head(_q8_head(), weight)
     hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(7)) * 3
     assert kernels.available()
     native = head(hidden)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.engine import kernels
+from prefixcache.engine.weight_types import PackedWeight
 
 GROUP_SIZE = 32  # inputs per GGUF Q4 block, and the kernel's group size
 KERNEL_DTYPE = torch.bfloat16
@@ -89,6 +90,20 @@ class Q8Blocks:
 def is_q8(tensor_type: int) -> bool:
     """Whether a GGML tensor type is Q8_0."""
     return int(tensor_type) == _Q8_0
+
+
+def as_q4_blocks(packed: PackedWeight) -> Q4Blocks | None:
+    """A Q4_0/Q4_1 `PackedWeight` as `Q4Blocks` (torch's int4 kernel); None for other types."""
+    if not is_q4(packed.wtype.code):
+        return None
+    return q4_blocks(packed.blocks.numpy(), packed.wtype.code, packed.shape)
+
+
+def as_q8_blocks(packed: PackedWeight) -> Q8Blocks | None:
+    """A Q8_0 `PackedWeight` as `Q8Blocks` (for `Int4Head`'s planes); None for other types."""
+    if packed.wtype.code != _Q8_0:
+        return None
+    return q8_blocks(packed.blocks.numpy(), packed.shape)
 
 
 def q8_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:

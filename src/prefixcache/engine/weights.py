@@ -31,8 +31,8 @@ from prefixcache.engine.model_files import (
 from prefixcache.engine.models import SUPPORTED_ARCHITECTURES, build_model, family
 from prefixcache.engine.models.family import Family, GgufFields
 from prefixcache.engine.models.llama import short_list, tensor_problems
-from prefixcache.engine.quant import Q4Blocks, Q8Blocks, is_q4, is_q8, q4_blocks, q8_blocks
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.weight_types import PackedWeight, weight_type
 
 
 @dataclass(slots=True)
@@ -43,7 +43,8 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
-    quantized: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)  # HF name -> blocks
+    # HF name -> the GGUF's own blocks of each 2-D weight not in F32 (Q/K rows un-permuted)
+    quantized: dict[str, PackedWeight] = field(default_factory=dict)
     # Built already (`engine/weight_cache.py`): the fp32 model on int4 kernels, its int4 names.
     model: torch.nn.Module | None = None
     int4_weights: list[str] = field(default_factory=list)
@@ -83,6 +84,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     assert kind is not None
     config = _gguf_config(fields, kind, tokenizer)
     names = _gguf_names(tensors, config, kind, path)
+    _check_types(tensors, names, path)
     permuted = kind.permuted_qk
     state = {hf: _gguf_tensor(tensors[g], config, permuted, path) for g, hf in names.items()}
     check_state_dict(state, config, path)
@@ -92,17 +94,24 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 def _gguf_blocks(
     tensors: dict[str, Any], names: dict[str, str], config: ModelConfig, permuted: bool
-) -> dict[str, Q4Blocks | Q8Blocks]:
-    """The 2-D Q4_0/Q4_1 tensors as `Q4Blocks`; a Q8_0 output matrix as `Q8Blocks`."""
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    blocks: dict[str, Q4Blocks | Q8Blocks] = {}
-    for g, hf in names.items():
-        tensor = tensors[g]
-        if len(tensor.shape) == 2 and is_q4(tensor.tensor_type):
-            blocks[hf] = _gguf_q4(tensor, config, permuted)
-        elif g == head and is_q8(tensor.tensor_type):
-            blocks[hf] = q8_blocks(tensor.data, (int(tensor.shape[1]), int(tensor.shape[0])))
-    return blocks
+) -> dict[str, PackedWeight]:
+    """Every 2-D tensor not in F32 as its own blocks (`PackedWeight`), by HF name."""
+    f32 = int(gguf.GGMLQuantizationType.F32)
+    return {
+        hf: _packed(tensors[g], config, permuted)
+        for g, hf in names.items()
+        if len(tensors[g].shape) == 2 and int(tensors[g].tensor_type) != f32
+    }
+
+
+def _packed(tensor: Any, config: ModelConfig, permuted: bool) -> PackedWeight:
+    """A tensor's own blocks in HF layout, Q/K rows un-permuted like `_gguf_tensor`."""
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    packed = PackedWeight.from_gguf(tensor.data, tensor.tensor_type, shape, tensor.name)
+    for marker, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
+        if permuted and marker in tensor.name:
+            packed = packed.take_rows(unpermute_qk(np.arange(shape[0]), heads))
+    return packed
 
 
 def _gguf_config(fields: GgufFields, kind: Family, tokenizer: Tokenizer) -> ModelConfig:
@@ -140,6 +149,15 @@ def _gguf_config(fields: GgufFields, kind: Family, tokenizer: Tokenizer) -> Mode
         architecture=fields.arch,
         **kind.config_fields(fields),
     )
+
+
+def _check_types(tensors: dict[str, Any], names: dict[str, str], path: Path) -> None:
+    """ModelFileError naming the first tensor whose type we do not run, and the types we do."""
+    for name in names:
+        try:
+            weight_type(tensors[name].tensor_type, name)
+        except ValueError as exc:
+            raise ModelFileError(f"{path}: tensor {exc}") from None
 
 
 def _gguf_architecture(meta: dict[str, Any], path: Path) -> str:
@@ -195,16 +213,6 @@ def _gguf_tensor(tensor: Any, config: ModelConfig, permuted: bool, path: Path) -
         values = unpermute_qk(values, config.num_kv_heads)
     # Dequantized arrays are fresh; F32 ones are read-only views of the file and get copied.
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
-
-
-def _gguf_q4(tensor: Any, config: ModelConfig, permuted: bool) -> Q4Blocks:
-    """A Q4_0/Q4_1 tensor's blocks in HF layout, Q/K rows un-permuted like `_gguf_tensor`."""
-    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
-    blocks = q4_blocks(tensor.data, tensor.tensor_type, shape)
-    for marker, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
-        if permuted and marker in tensor.name:
-            blocks = blocks.rows(unpermute_qk(np.arange(shape[0]), heads))
-    return blocks
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -17,7 +17,6 @@ from torch import nn
 
 from prefixcache.engine.attention import AttentionMetadata, paged_attention
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.model_files import ModelFileError
 from prefixcache.engine.models.family import BASE_LAYER_NAMES, QK_NORM_NAMES, Family, GgufFields
@@ -27,10 +26,12 @@ from prefixcache.engine.models.llama import (
     Rotary,
     _param,
     apply_rope,
+    quantize_projections,
     rms_norm,
     tensor_problems,
 )
-from prefixcache.engine.quant import Q4Blocks, Q8Blocks, can_pack
+from prefixcache.engine.weight_types import PackedWeight
+from prefixcache.engine.weight_types.linear import PackedLinear
 
 # llama.cpp and transformers both fix these for Gemma 3 (the GGUF does not carry them).
 SLIDING_WINDOW_PATTERN = 6  # layers 5, 11, 17, ... are full; the others window layers
@@ -124,7 +125,8 @@ class Gemma3Model(nn.Module):
         factors = config.rope_freq_factors
         self.rotary = Rotary(config.head_dim, config.rope_theta, positions, factors)
         self.local_rotary = Rotary(config.head_dim, config.rope_local_theta, positions)
-        self.head: DenseLinear | Int4Head = DenseLinear(self.embed_tokens)
+        self.head: DenseLinear | PackedLinear = DenseLinear(self.embed_tokens)
+        self.embedding: PackedWeight | None = None  # the packed embedding, once quantized
 
     @torch.inference_mode()
     def forward(
@@ -136,7 +138,7 @@ class Gemma3Model(nn.Module):
         fused: bool = True,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm."""
-        h = F.embedding(input_ids, self.embed_tokens) * self.config.embedding_scale
+        h = self._embed(input_ids)
         full = self.rotary(positions, self.dtype)
         local = self.local_rotary(positions, self.dtype)
         for i, layer in enumerate(self.layers):
@@ -158,13 +160,27 @@ class Gemma3Model(nn.Module):
             for name, target in targets.items():
                 target.copy_(torch.as_tensor(state_dict[name]))
 
-    def quantize(self, blocks: Mapping[str, Q4Blocks | Q8Blocks]) -> list[str]:
-        """After `load_weights`: the tied head on its int4 planes (exact at the argmax)."""
-        head = blocks.get("model.embed_tokens.weight")
-        if head is None or self.dtype != torch.float32 or not can_pack(head.codes.shape):
-            return []
-        self.head = Int4Head(head, self.embed_tokens.detach())
-        return ["model.embed_tokens.weight"]
+    def quantize(self, blocks: Mapping[str, PackedWeight]) -> list[str]:
+        """After `load_weights`: every projection on its file's blocks, and the tied
+        embedding packed too (looked up row by row, and the head's matrix): the dense
+        copies are dropped."""
+        done = []
+        for i, layer in enumerate(self.layers):
+            done += quantize_projections(layer, f"model.layers.{i}.", blocks)
+        embedding = blocks.get("model.embed_tokens.weight")
+        if isinstance(embedding, PackedWeight):
+            self.embedding, self.head = embedding, PackedLinear(embedding)
+            self.embed_tokens.data = torch.empty(0, dtype=self.dtype)
+            done.append("model.embed_tokens.weight")
+        return done
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled embeddings of `input_ids`, from the packed matrix once quantized."""
+        if self.embedding is not None:
+            rows = self.embedding.dequantize_rows(input_ids).to(self.dtype)
+        else:
+            rows = F.embedding(input_ids, self.embed_tokens)
+        return rows * self.config.embedding_scale
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it fills."""

@@ -29,7 +29,15 @@ from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.lone_decode import LoneDecode
 from prefixcache.engine.model_files import ModelFileError
 from prefixcache.engine.models.family import BASE_LAYER_NAMES, Family, GgufFields
-from prefixcache.engine.quant import Int4Linear, Q4Blocks, Q8Blocks, can_pack
+from prefixcache.engine.quant import (
+    Int4Linear,
+    Q4Blocks,
+    as_q4_blocks,
+    as_q8_blocks,
+    can_pack,
+)
+from prefixcache.engine.weight_types import PackedWeight
+from prefixcache.engine.weight_types.linear import ConcatLinear, PackedLinear, packed_linear
 
 # Checkpoint tensors that carry no weights (old HF exports saved the RoPE frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -55,7 +63,7 @@ class DenseLinear:
         return F.linear(x, self.weight)
 
 
-Linear = DenseLinear | Int4Linear
+Linear = DenseLinear | Int4Linear | PackedLinear | ConcatLinear
 # Each layer's projections: attribute -> (its parameter, the HF tensors fused into it).
 _PROJECTIONS = {
     "qkv": ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -63,6 +71,37 @@ _PROJECTIONS = {
     "gate_up": ("gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
     "down": ("down_proj", ("mlp.down_proj",)),
 }
+
+
+Blocks = Q4Blocks | PackedWeight  # a GGUF weight's own blocks (Q4Blocks: Q4_0/Q4_1 decoded)
+
+
+def _int4(blocks: Blocks | None) -> Q4Blocks | None:
+    """The blocks as torch's int4 kernel takes them, if they are Q4_0/Q4_1."""
+    return as_q4_blocks(blocks) if isinstance(blocks, PackedWeight) else blocks
+
+
+def quantize_projections(layer: nn.Module, prefix: str, blocks: Mapping[str, Blocks]) -> list[str]:
+    """Run each of `layer`'s projections (`_PROJECTIONS`) on its GGUF blocks where every
+    part has them: all Q4_0/Q4_1 on torch's int4 kernel (the fused path's), else on
+    `PackedWeight`'s kernels. The dense parameter of a projection done is dropped (emptied);
+    returns the HF names done.
+    """
+    done = []
+    for attr, (param_name, parts) in _PROJECTIONS.items():
+        names = [f"{prefix}{part}.weight" for part in parts]
+        found = [blocks.get(name) for name in names]
+        int4 = [_int4(b) for b in found]
+        fused = Q4Blocks.cat(int4) if all(int4) else None  # type: ignore[arg-type]
+        if fused is not None and can_pack(fused.shape):
+            setattr(layer, attr, Int4Linear(fused))
+        elif all(isinstance(b, PackedWeight) for b in found):
+            setattr(layer, attr, packed_linear(found))  # type: ignore[arg-type]
+        else:
+            continue
+        getattr(layer, param_name).data = torch.empty(0, dtype=layer.input_layernorm.dtype)
+        done += names
+    return done
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,24 +183,9 @@ class DecoderLayer(nn.Module):
         self.gate_up: Linear = DenseLinear(self.gate_up_proj)
         self.down: Linear = DenseLinear(self.down_proj)
 
-    def quantize(self, prefix: str, blocks: Mapping[str, Q4Blocks | Q8Blocks]) -> list[str]:
-        """Run each projection whose HF tensors all have int4 blocks on them; their names.
-
-        The dense parameter of a quantized projection is dropped (emptied).
-        """
-        done = []
-        for attr, (param_name, parts) in _PROJECTIONS.items():
-            names = [f"{prefix}{part}.weight" for part in parts]
-            found = [b for b in map(blocks.get, names) if isinstance(b, Q4Blocks)]
-            if len(found) < len(names):
-                continue
-            fused = Q4Blocks.cat(found)
-            if not can_pack(fused.shape):
-                continue
-            setattr(self, attr, Int4Linear(fused))
-            getattr(self, param_name).data = torch.empty(0, dtype=self.input_layernorm.dtype)
-            done += names
-        return done
+    def quantize(self, prefix: str, blocks: Mapping[str, Blocks]) -> list[str]:
+        """Run each projection on its file's blocks; the HF names done (`quantize_projections`)."""
+        return quantize_projections(self, prefix, blocks)
 
     def forward(
         self,
@@ -291,19 +315,26 @@ class LlamaModel(nn.Module):
             for name, target in targets.items():
                 target.copy_(torch.as_tensor(state_dict[name]))
 
-    def quantize(self, blocks: Mapping[str, Q4Blocks | Q8Blocks]) -> list[str]:
-        """After `load_weights`: run what `blocks` (HF names) cover on int4 weights.
+    def quantize(self, blocks: Mapping[str, Blocks]) -> list[str]:
+        """After `load_weights`: run what `blocks` (HF names) cover on their file's blocks.
 
-        Layer projections with Q4 blocks, and an fp32 model's output matrix (`Int4Head`,
-        Q4 or Q8_0); norms and the embedding lookup stay dense. Returns the HF names done.
+        Layer projections (`quantize_projections`), and the output matrix: a Q4 or Q8_0 one
+        of an fp32 model as `Int4Head` (dense kept for its exact refinement), another type
+        on its `PackedWeight`. Norms and the embedding lookup stay dense. Returns the names.
         """
         done = []
         for i, layer in enumerate(self.layers):
             done += layer.quantize(f"model.layers.{i}.", blocks)
         name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head = blocks.get(name)
-        if head is not None and self.dtype == torch.float32 and can_pack(head.codes.shape):
-            self.head = Int4Head(head, self._head_weight().detach())
+        planes = _int4(head) or (as_q8_blocks(head) if isinstance(head, PackedWeight) else None)
+        if planes is not None and self.dtype == torch.float32 and can_pack(planes.codes.shape):
+            self.head = Int4Head(planes, self._head_weight().detach())
+            done.append(name)
+        elif isinstance(head, PackedWeight):
+            self.head = PackedLinear(head)
+            if self.lm_head is not None:
+                self.lm_head.data = torch.empty(0, dtype=self.dtype)
             done.append(name)
         return done
 
