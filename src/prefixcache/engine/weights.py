@@ -86,9 +86,14 @@ def _load_gguf(path: Path) -> LoadedModel:
     names = _gguf_names(tensors, config, kind, path)
     _check_types(tensors, names, path)
     permuted = kind.permuted_qk
-    state = {hf: _gguf_tensor(tensors[g], config, permuted, path) for g, hf in names.items()}
-    check_state_dict(state, config, path)
     blocks = _gguf_blocks(tensors, names, config, permuted)
+    state = {
+        hf: blocks[hf].dequantize()
+        if hf in blocks
+        else _gguf_tensor(tensors[g], config, permuted, path)
+        for g, hf in names.items()
+    }  # a packed tensor dequantizes on the native decoders where they load (bit-exact)
+    check_state_dict(state, config, path)
     return LoadedModel(config, state, tokenizer, path, blocks)
 
 
