@@ -17,7 +17,12 @@ import torch
 from engine_fixtures import default_model
 from hf_fixtures import gguf_reader
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.model_files import ModelFileError, default_model_path
+from prefixcache.engine.model_files import (
+    ModelFileError,
+    default_model_path,
+    gguf_metadata,
+    open_gguf,
+)
 from prefixcache.engine.weights import LoadedModel, expected_shapes, load_model, unpermute_qk
 
 if TYPE_CHECKING:
@@ -108,6 +113,19 @@ def transformers_tensors(reader: gguf.GGUFReader, metadata: dict) -> dict[str, t
         processed = processor.process(weights=weights, name=gguf_name).weights
         result[hf_name] = torch.from_numpy(np.array(processed, dtype=np.float32))
     return result
+
+
+def test_our_reader_reads_every_value_as_gguf_py_does(
+    gguf_path: Path, reader: gguf.GGUFReader
+) -> None:
+    """`open_gguf` parses arrays in one pass (model_files._PlainReader); gguf-py item by item.
+    Every metadata value (vocabulary, scores, types, merges) and tensor must be the same."""
+    ours = open_gguf(gguf_path)
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert gguf_metadata(ours, gguf_path) == expected
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in reader.tensors
+    ]
 
 
 def test_default_model_path_is_the_packaged_gguf(gguf_path: Path) -> None:
