@@ -47,7 +47,7 @@ def tiny_q4(tmp_path: Path) -> Path:
 
 
 def cache_file(folder: Path) -> Path:
-    (file,) = folder.glob("weights-*.bin")
+    (file,) = folder.glob("weights-*.safetensors")
     return file
 
 
@@ -137,7 +137,7 @@ def test_a_file_for_another_model_or_packing_is_not_used(
     old = cache_file(tmp_path)
     monkeypatch.setattr(weight_cache, "FORMAT", weight_cache.FORMAT + 1)
     new_key = cache_key(tiny_q4)
-    old.rename(tmp_path / f"weights-{new_key[:40]}.bin")
+    old.rename(tmp_path / f"weights-{new_key[:40]}.safetensors")
     before = EVENTS["rebuilt"]
     with caplog.at_level(logging.WARNING, "prefixcache.engine.weight_cache"):
         load_serving_model(tiny_q4, tmp_path)

@@ -2,12 +2,13 @@
 
 Building the engine's model from a GGUF (parse the vocabulary, dequantize, pack every Q4
 matrix for torch's int4 kernel, compute `W'` and the head's norms) takes seconds; reading
-the result back takes a fraction of one. One file per model, named by a key over the GGUF's
-digest (size, mtime, sampled bytes), this file's format version and the torch version (whose
-int4 packing it stores). Nothing in the file is trusted: a digest over all of it, the key, and every
-tensor's name, dtype and shape are checked, and any mismatch means a rebuild. Files are
-written atomically (a temporary file, then a rename); a folder that cannot be written
-only costs the next start the slow path.
+the result back takes a fraction of one. One safetensors file per model, named by a key over
+the GGUF's digest (size, mtime, sampled bytes), this format's version and the torch version
+(whose int4 packing it stores); its metadata holds the key, the config, the tokenizer and a
+digest of every tensor's bytes. Nothing in the file is trusted: the digest, the key, and
+every tensor's name, dtype and shape are checked, and any mismatch means a rebuild. Files
+are written atomically (a temporary file, then a rename); a folder that cannot be written
+only costs the next start the slow path. Tensors are read mapped from the file, not copied.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
-import mmap
 import os
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tokenizers import Tokenizer as Backend
 
 from prefixcache.engine.config import ModelConfig
@@ -36,13 +36,8 @@ from prefixcache.engine.packed import load_packed, packed_tensors
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weights import LoadedModel, load_model
 
-FORMAT = 1  # bump whenever what is stored, or how the packing code computes it, changes
-MAGIC = b"PCWEIGHTS\n"
-ALIGN = 64  # bytes: each tensor starts on a multiple
-MAX_HEADER = 64 * 2**20  # bytes of JSON header a file may claim
-_CHUNK = 16 * 2**20
+FORMAT = 2  # bump whenever what is stored, or how the packing code computes it, changes
 _HEAD, _SAMPLE, _SAMPLES = 2**20, 64 * 2**10, 32  # the GGUF's cheap digest
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.uint8)}
 
 log = logging.getLogger(__name__)
 EVENTS: Counter[str] = Counter()  # hit, built, rebuilt (a bad file), unwritable
@@ -59,7 +54,7 @@ def load_serving_model(path: str | Path | None, folder: Path | None) -> LoadedMo
     if folder is None or source.is_dir():
         return build(source)
     key = cache_key(source)
-    file = folder / f"weights-{key[:40]}.bin"
+    file = folder / f"weights-{key[:40]}.safetensors"
     try:
         loaded = read_file(file, key, source)
         EVENTS["hit"] += 1
@@ -123,37 +118,25 @@ def _hasher() -> tuple[str, Any]:
 
 
 def write_file(file: Path, key: str, loaded: LoadedModel) -> None:
-    """Store ``loaded``'s built model under ``file``, atomically."""
+    """Store ``loaded``'s built model under ``file`` (safetensors), atomically."""
     assert loaded.model is not None
-    named = sorted(packed_tensors(loaded.model).items())
-    tensors = {k: v.contiguous().reshape(-1).view(torch.uint8) for k, v in named}
-    header = _header(key, loaded, named, tensors)
+    tensors = {k: v.contiguous() for k, v in sorted(packed_tensors(loaded.model).items())}
+    metadata = {"prefixcache": json.dumps(_header(key, loaded)), "digest": _digest(tensors)}
     file.parent.mkdir(parents=True, exist_ok=True)
     temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
-        with temporary.open("wb") as f:
-            _write(f, header, tensors)
-            f.flush()
+        save_file(tensors, temporary, metadata=metadata)
+        with temporary.open("rb") as f:
             os.fsync(f.fileno())
         os.replace(temporary, file)
     finally:
         temporary.unlink(missing_ok=True)
 
 
-def _header(
-    key: str,
-    loaded: LoadedModel,
-    named: list[tuple[str, torch.Tensor]],
-    raw: dict[str, torch.Tensor],
-) -> bytes:
-    """The JSON header: key, config, tokenizer, int4 names, and each tensor's place."""
-    shapes, offset = {}, 0
-    for name, tensor in named:
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        shapes[name] = [dtype, list(tensor.shape), offset, raw[name].numel()]
-        offset += _aligned(raw[name].numel())
+def _header(key: str, loaded: LoadedModel) -> dict[str, Any]:
+    """What the file says besides its tensors: key, config, tokenizer, int4 names."""
     tokenizer = loaded.tokenizer
-    header = {
+    return {
         "key": key,
         "config": dataclasses.asdict(loaded.config),
         "tokenizer": {
@@ -164,31 +147,18 @@ def _header(
             "special_tokens": tokenizer.special_tokens,
         },
         "int4_weights": loaded.int4_weights,
-        "tensors": shapes,
-        "data_bytes": offset,
     }
-    return json.dumps(header).encode()
 
 
-def _write(f: Any, header: bytes, raw: dict[str, torch.Tensor]) -> None:
-    """MAGIC, header length, header, padding, tensors (each aligned), digest of all before."""
-    _, hasher = _hasher()
-    start = len(MAGIC) + 8 + len(header)
-    prefix = MAGIC + struct.pack("<Q", len(header)) + header + bytes(_aligned(start) - start)
-    for part in (prefix, *(_padded(raw[name]) for name in sorted(raw))):
-        hasher.update(part)
-        f.write(part)
-    f.write(hasher.digest())
-
-
-def _padded(tensor: torch.Tensor) -> bytes | memoryview:
-    data = memoryview(tensor.numpy())
-    pad = _aligned(len(data)) - len(data)
-    return bytes(data) + bytes(pad) if pad else data
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """The hash of every tensor's name, dtype, shape and bytes, in name order."""
+    name, hasher = _hasher()
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        hasher.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        if tensor.numel():
+            hasher.update(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return f"{name}:{hasher.hexdigest()}"
 
 
 # ---------------------------------------------------------------- reading
@@ -196,76 +166,36 @@ def _aligned(n: int) -> int:
 
 def read_file(file: Path, key: str, source: Path) -> LoadedModel:
     """The model stored in ``file``; CacheFileError unless every check passes."""
-    buffer = _read_all(file)
-    header, data_start = _parse(buffer, key)
+    header, tensors = _read(file, key)
     try:
         config = _config(header["config"])
         tokenizer = _tokenizer(header["tokenizer"])
         int4 = [str(n) for n in header["int4_weights"]]
-        tensors = _views(buffer, data_start, header["tensors"], header["data_bytes"])
         model = LlamaModel(config)
         load_packed(model, tensors)
-    except CacheFileError:
-        raise
     except Exception as error:  # anything malformed in a file we did not just write
         raise CacheFileError(f"unusable contents ({type(error).__name__}: {error})") from None
     return LoadedModel(config, {}, tokenizer, source, model=model, int4_weights=int4)
 
 
-def _read_all(file: Path) -> mmap.mmap:
-    """The whole file mapped copy-on-write: tensors view it with no copy, and replicas on one
-    machine share its pages (the writer only ever renames a new file in, never truncates)."""
-    with file.open("rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise CacheFileError("empty file")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-
-
-def _parse(buffer: mmap.mmap, key: str) -> tuple[dict[str, Any], int]:
-    """Check magic, digest and key; the header and where the tensor data starts."""
-    name, hasher = _hasher()
-    tail = hasher.digest_size
-    if len(buffer) < len(MAGIC) + 8 + tail or buffer[: len(MAGIC)] != MAGIC:
-        raise CacheFileError("not a weight cache file (bad magic or truncated)")
-    (length,) = struct.unpack_from("<Q", buffer, len(MAGIC))
-    if length > min(MAX_HEADER, len(buffer)):
-        raise CacheFileError(f"header of {length} bytes claimed")
-    view = memoryview(buffer)
-    for start in range(0, len(buffer) - tail, _CHUNK):
-        hasher.update(view[start : min(start + _CHUNK, len(buffer) - tail)])
-    if hasher.digest() != bytes(view[-tail:]):
-        raise CacheFileError(f"{name} digest mismatch (truncated or corrupt)")
+def _read(file: Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Header and tensors (mapped from the file), after the key and digest checks."""
+    if not file.is_file():
+        raise FileNotFoundError(file)
     try:
-        header = json.loads(bytes(view[len(MAGIC) + 8 : len(MAGIC) + 8 + length]))
-        data_start = _aligned(len(MAGIC) + 8 + length)
-        if header["key"] != key:
-            raise CacheFileError("built from another model file or packing version")
-        if data_start + int(header["data_bytes"]) + tail != len(buffer):
-            raise CacheFileError("size does not match its header")
+        with safe_open(file, "pt") as f:
+            metadata = f.metadata() or {}
+            header = json.loads(metadata.get("prefixcache", "null"))
+            if not isinstance(header, dict) or header.get("key") != key:
+                raise CacheFileError("built from another model file or packing version")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except CacheFileError:
         raise
-    except (ValueError, KeyError, TypeError) as error:
-        raise CacheFileError(f"bad header ({error})") from None
-    return header, data_start
-
-
-def _views(
-    buffer: mmap.mmap, data_start: int, places: dict[str, Any], data_bytes: int
-) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buffer`` (no copy), each inside the data section."""
-    tensors = {}
-    for name, (dtype_name, shape, offset, nbytes) in places.items():
-        dtype = _DTYPES[dtype_name]
-        count = nbytes // dtype.itemsize
-        numel = math.prod(int(dim) for dim in shape)
-        if numel != count or nbytes % dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
-            raise CacheFileError(f"tensor {name} does not fit its place")
-        if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + offset)
-        tensors[name] = flat.view(shape)
-    return tensors
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CacheFileError(f"not a readable weight cache file ({error})") from None
+    if metadata.get("digest") != _digest(tensors):
+        raise CacheFileError("digest mismatch (truncated or corrupt)")
+    return header, tensors
 
 
 def _config(fields: dict[str, Any]) -> ModelConfig:
