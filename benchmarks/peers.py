@@ -57,6 +57,14 @@ SHORT_PROMPTS = (  # each seen once per server: nothing cached
     "The quick brown fox jumps over",
     "My favourite season of the year is",
 )
+TOKENIZER_TEXTS = (  # multilingual prose, code, emoji, whitespace runs, digits
+    "The quick brown fox jumps over the lazy dog. 1234567 + 89 = 1234656",
+    "Größenwahn, naïve café; Ελληνικά κείμενα; Русский текст; "
+    "日本語のテキスト; 中文文本\uff1b한국어",
+    "def f(x):\n\tif x  >  0:\n        return x ** 2   # square\n\n\n    return -x",
+    "emoji 🤖🚀 and flags 🇫🇷🇯🇵, zero-width\u200bjoin, tabs\t\tand   spaces   ",
+    '<html><body class="main">&nbsp;¡Hola! ¿Qué tal?</body></html>\r\n',
+)
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 2000
 MODELS = ("smollm2", "gemma3-270m")
@@ -277,6 +285,16 @@ def model_prompts(tokenizer) -> Prompts:
     )
 
 
+def tokenizer_agreement(binary: Path, model: Path, tokenizer, threads: int) -> str:
+    """How many of `TOKENIZER_TEXTS` tokenize to the same ids here and in llama-server."""
+    same = 0
+    with Server(Peer(llama_server(binary, model, threads))) as server:
+        for text in TOKENIZER_TEXTS:
+            reply = httpx.post(f"{server.url}/tokenize", json={"content": text}, timeout=60)
+            same += reply.json()["tokens"] == tokenizer.encode(text)
+    return f"  token ids equal to llama-server's /tokenize: {same} of {len(TOKENIZER_TEXTS)} texts"
+
+
 def compare(model: Path, threads: int, peer_python: Path) -> None:
     """Every case on every server for one model file: the table and what caching buys."""
     from prefixcache.engine.model_files import load_tokenizer
@@ -291,6 +309,7 @@ def compare(model: Path, threads: int, peer_python: Path) -> None:
         start = llama_cpp_python(peer_python, model, threads)
         servers["llama-cpp-python"] = Peer(start, "/v1/models", tokenizer.decode)
     print(f"\n{model.name}, {threads} threads, one run")
+    print(tokenizer_agreement(ensure_built(), model, tokenizer, threads))
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results = {name: measure(peer, prompts) for name, peer in servers.items()}
     print("\n".join(table(results)))
