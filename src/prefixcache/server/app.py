@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -60,8 +61,11 @@ from prefixcache.server.prepare import (
 from prefixcache.server.prepare_pool import PreparePool
 from prefixcache.server.response_store import ResponseStore
 from prefixcache.server.responses_api import prepare_responses
+from prefixcache.shutdown import CUT_SHORT, TEARDOWN_SECONDS, exit_after
 
 log = logging.getLogger("prefixcache.server")
+CUT_SHORT_SECONDS = 2.0  # after a second signal: workers killed, exit 130
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
@@ -119,10 +123,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         server.async_engine.start()
         yield
-        server.async_engine.shutdown()
-        server.pool.close()
+        server.async_engine.shutdown()  # its last events are queued to the publisher
         if publisher is not None:
-            publisher.close()
+            publisher.close()  # after the last batch
+        server.pool.close()
 
     app = FastAPI(title="prefixcache", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
@@ -289,7 +293,7 @@ async def _serve(
     tenant = tenant_of(request.scope)
     ticket: Ticket = request.scope["state"]["ticket"]
     if server.draining:
-        raise ApiError(503, "the server is shutting down; retry on another replica")
+        raise ApiError(503, SHUTTING_DOWN)
     raw = await request.body()
     if in_thread:  # it reads this process's state (the stored responses)
         ready = await server.pool.run(prepare, raw, server.prepare)
@@ -309,6 +313,10 @@ async def _serve(
         return _Stream(answer.stream(ready, fan_in, done), lambda: done.once(fan_in))
     try:
         finals = await _until_finished(fan_in, request, done)
+    except RuntimeError:
+        if not server.draining:
+            raise
+        raise ApiError(503, "the server shut down before this request finished") from None
     except asyncio.CancelledError:
         if not server.draining:
             raise
@@ -517,28 +525,61 @@ def started_banner(tenants: Tenants, model_name: str, host: str, port: int) -> s
 class GracefulServer(uvicorn.Server):
     """uvicorn, with the app told to refuse new requests (503) the moment a signal arrives.
 
-    uvicorn then stops accepting connections, lets running requests finish for
-    ``timeout_graceful_shutdown`` seconds, cancels the rest (their requests are aborted)
-    and runs the lifespan shutdown (the engine thread stops, leftovers are freed).
+    uvicorn then stops accepting connections and lets running requests finish; shortly
+    before ``shutdown_timeout`` the requests still running are ended (a stream gets an error
+    event, a whole response a 503) and the lifespan shutdown stops the engine thread, the
+    event publisher and the preparation workers. Whatever hangs, the process exits
+    ``TEARDOWN_SECONDS`` after the timeout; a second signal kills the workers and exits 130
+    (with ``hard_deadline``: a server that owns its process, as ``prefixcache serve``'s does).
     """
 
-    def __init__(self, config: uvicorn.Config, state: Server) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: Server, shutdown_timeout: float, hard_deadline: bool
+    ) -> None:
         super().__init__(config)
-        self.state = state
+        self.state, self.shutdown_timeout = state, shutdown_timeout
+        self.hard_deadline, self.signals = hard_deadline, 0
+
+    @property
+    def cut_short(self) -> bool:
+        """A second signal ended the graceful part early (exit status 130)."""
+        return self.signals > 1
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.state.draining:
+        self.signals += 1
+        if self.signals == 1:
             log.info(
                 "shutting down: no new requests; %d in flight", self.state.async_engine.num_pending
             )
-        self.state.draining = True
+            self.state.draining = True
+            self._end_requests_before(self.shutdown_timeout)
+            if self.hard_deadline:
+                exit_after(self.shutdown_timeout + TEARDOWN_SECONDS, 1, self._kill_workers)
+        elif self.signals == 2:
+            log.info("second signal: stopping now")
+            self.force_exit = True
+            if self.hard_deadline:
+                exit_after(CUT_SHORT_SECONDS, CUT_SHORT, self._kill_workers)
         super().handle_exit(sig, frame)
 
+    def _end_requests_before(self, timeout: float) -> None:
+        """End what still runs a little before uvicorn would cancel it (no event, no 503)."""
+        delay = max(0.0, timeout - min(1.0, timeout / 2))
+        timer = threading.Timer(delay, self.state.async_engine.end_all, (SHUTTING_DOWN,))
+        timer.name, timer.daemon = "drain-deadline", True
+        timer.start()
 
-def graceful_server(app: FastAPI, host: str, port: int, shutdown_timeout: float) -> GracefulServer:
-    """A uvicorn server for ``app`` that shuts down within ``shutdown_timeout`` seconds."""
+    def _kill_workers(self) -> None:
+        self.state.pool.close(timeout=0.0)
+
+
+def graceful_server(
+    app: FastAPI, host: str, port: int, shutdown_timeout: float, hard_deadline: bool = False
+) -> GracefulServer:
+    """A uvicorn server for ``app`` that shuts down within ``shutdown_timeout`` seconds
+    (``hard_deadline``: this process exits ``TEARDOWN_SECONDS`` later whatever still runs)."""
     timeout = app.state.server.limits.request_read_timeout
     config = uvicorn_config(
         app, host, port, timeout, log_level="info", timeout_graceful_shutdown=shutdown_timeout
     )
-    return GracefulServer(config, app.state.server)
+    return GracefulServer(config, app.state.server, shutdown_timeout, hard_deadline)
