@@ -65,19 +65,20 @@ def with_parent_death(command: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", *command] if setpriv else command
 
 
-def kill_all(processes: list, timeout: float) -> None:
+def kill_all(processes: list, timeout: float, hurry: Callable[[], bool] = lambda: False) -> None:
     """SIGTERM to each live ``subprocess.Popen``/``multiprocessing.Process`` at once, then
-    SIGKILL to those still running after ``timeout`` seconds (shared, not per process)."""
+    SIGKILL to those still running after ``timeout`` seconds (shared, not per process) or
+    as soon as ``hurry()`` turns true (e.g. a second Ctrl-C)."""
     live = [p for p in processes if _alive(p)]
     for process in live:
         with contextlib.suppress(OSError):
             process.terminate()
-    _wait_all(live, timeout)
+    _wait_all(live, timeout, hurry)
     for process in live:
         if _alive(process):
             with contextlib.suppress(OSError):
                 process.kill()
-    _wait_all(live, 5.0)
+    _wait_all(live, 5.0, lambda: False)  # SIGKILL is not refused: this only reaps them
 
 
 def _alive(process) -> bool:
@@ -85,12 +86,7 @@ def _alive(process) -> bool:
     return poll() is None if poll is not None else process.is_alive()
 
 
-def _wait_all(processes: list, timeout: float) -> None:
+def _wait_all(processes: list, timeout: float, hurry: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout
-    for process in processes:
-        left = max(0.0, deadline - time.monotonic())
-        with contextlib.suppress(Exception):
-            if hasattr(process, "poll"):
-                process.wait(left)
-            else:
-                process.join(left)
+    while any(_alive(p) for p in processes) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)

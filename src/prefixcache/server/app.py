@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -45,6 +44,7 @@ from prefixcache.protocol.schemas import (
     CompletionRequest,
     PromptCacheFields,
 )
+from prefixcache.protocol.stopping_server import StoppingServer
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
@@ -61,10 +61,8 @@ from prefixcache.server.prepare import (
 from prefixcache.server.prepare_pool import PreparePool
 from prefixcache.server.response_store import ResponseStore
 from prefixcache.server.responses_api import prepare_responses
-from prefixcache.shutdown import CUT_SHORT, TEARDOWN_SECONDS, exit_after
 
 log = logging.getLogger("prefixcache.server")
-CUT_SHORT_SECONDS = 2.0  # after a second signal: workers killed, exit 130
 SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
@@ -522,54 +520,32 @@ def started_banner(tenants: Tenants, model_name: str, host: str, port: int) -> s
     )
 
 
-class GracefulServer(uvicorn.Server):
+class GracefulServer(StoppingServer):
     """uvicorn, with the app told to refuse new requests (503) the moment a signal arrives.
 
     uvicorn then stops accepting connections and lets running requests finish; shortly
     before ``shutdown_timeout`` the requests still running are ended (a stream gets an error
     event, a whole response a 503) and the lifespan shutdown stops the engine thread, the
-    event publisher and the preparation workers. Whatever hangs, the process exits
-    ``TEARDOWN_SECONDS`` after the timeout; a second signal kills the workers and exits 130
-    (with ``hard_deadline``: a server that owns its process, as ``prefixcache serve``'s does).
+    event publisher and the preparation workers (``StoppingServer``: the hard deadline and
+    the second signal).
     """
 
-    def __init__(
-        self, config: uvicorn.Config, state: Server, shutdown_timeout: float, hard_deadline: bool
-    ) -> None:
-        super().__init__(config)
-        self.state, self.shutdown_timeout = state, shutdown_timeout
-        self.hard_deadline, self.signals = hard_deadline, 0
+    def __init__(self, config: uvicorn.Config, state: Server, hard_deadline: bool) -> None:
+        super().__init__(config, hard_deadline)
+        self.state = state
 
-    @property
-    def cut_short(self) -> bool:
-        """A second signal ended the graceful part early (exit status 130)."""
-        return self.signals > 1
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.signals += 1
-        if self.signals == 1:
-            log.info(
-                "shutting down: no new requests; %d in flight", self.state.async_engine.num_pending
-            )
-            self.state.draining = True
-            self._end_requests_before(self.shutdown_timeout)
-            if self.hard_deadline:
-                exit_after(self.shutdown_timeout + TEARDOWN_SECONDS, 1, self._kill_workers)
-        elif self.signals == 2:
-            log.info("second signal: stopping now")
-            self.force_exit = True
-            if self.hard_deadline:
-                exit_after(CUT_SHORT_SECONDS, CUT_SHORT, self._kill_workers)
-        super().handle_exit(sig, frame)
-
-    def _end_requests_before(self, timeout: float) -> None:
-        """End what still runs a little before uvicorn would cancel it (no event, no 503)."""
-        delay = max(0.0, timeout - min(1.0, timeout / 2))
+    def on_first_signal(self) -> None:
+        log.info(
+            "shutting down: no new requests; %d in flight", self.state.async_engine.num_pending
+        )
+        self.state.draining = True
+        timeout = self.shutdown_timeout  # end what still runs a little before uvicorn would
+        delay = max(0.0, timeout - min(1.0, timeout / 2))  # cancel it (no event, no 503)
         timer = threading.Timer(delay, self.state.async_engine.end_all, (SHUTTING_DOWN,))
         timer.name, timer.daemon = "drain-deadline", True
         timer.start()
 
-    def _kill_workers(self) -> None:
+    def last_words(self) -> None:
         self.state.pool.close(timeout=0.0)
 
 
@@ -582,4 +558,4 @@ def graceful_server(
     config = uvicorn_config(
         app, host, port, timeout, log_level="info", timeout_graceful_shutdown=shutdown_timeout
     )
-    return GracefulServer(config, app.state.server, shutdown_timeout, hard_deadline)
+    return GracefulServer(config, app.state.server, hard_deadline)

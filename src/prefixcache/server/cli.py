@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
@@ -24,7 +23,7 @@ from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.event_flags import add_event_format_flags
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
-from prefixcache.shutdown import CUT_SHORT, TEARDOWN_SECONDS
+from prefixcache.shutdown import TEARDOWN_SECONDS
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
 
@@ -294,9 +293,7 @@ def _serve_until_stopped(
     uvicorn_server = graceful_server(
         app, args.host, args.port, args.shutdown_timeout, hard_deadline=True
     )
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal at its end
-        uvicorn_server.run()
-    return CUT_SHORT if uvicorn_server.cut_short else 0
+    return uvicorn_server.run_until_stopped()
 
 
 def serving_model(args: argparse.Namespace) -> LoadedModel:
