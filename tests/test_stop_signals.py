@@ -195,11 +195,14 @@ def test_serve_stops_while_it_loads_its_model(tmp_path, model) -> None:
 def stream_lines(url: str, sent: list[str], first: list[bool]) -> None:
     """A long completion stream; its lines appended to ``sent`` (``first`` set at the first)."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 380, "ignore_eos": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as reply:
-        for line in reply.iter_lines():
-            if line:
-                sent.append(line)
-                first.append(True)
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if line:
+                    sent.append(line)
+                    first.append(True)
+    except httpx.HTTPError as error:  # the server went away mid-stream
+        sent.append(f"<{type(error).__name__}>")
 
 
 def test_sigterm_mid_stream_ends_it_with_an_error_event_and_the_disk_tier_restarts_clean(
@@ -329,3 +332,27 @@ def simulate_cell(work: Path, trace: Path, sig: int, group: bool) -> Outcome:
 def test_simulate_stops_mid_replay_on_every_signal(tmp_path) -> None:
     trace = long_trace(tmp_path / "trace.jsonl")
     assert_clean(run_cells(CELLS, lambda sig, group: simulate_cell(tmp_path, trace, sig, group)))
+
+
+def test_a_second_ctrl_c_cuts_the_graceful_part_short_with_status_130(tmp_path, model) -> None:
+    """A stream that would hold the shutdown for 60 s: the second Ctrl-C ends it at once."""
+    import threading
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = serve_command(model, port) + ["--shutdown-timeout", "60"]  # the last one counts
+    process = launch(command, log)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: answers(url, process), 60, "the server")
+    sent: list[str] = []
+    first: list[bool] = []
+    threading.Thread(target=stream_lines, args=(url, sent, first), daemon=True).start()
+    wait_until(lambda: bool(first), 30, "the stream's first event")
+    family = descendants(process.pid)
+    send(process, signal.SIGINT, True)
+    wait_until(lambda: "shutting down" in log.read_text(), 10, "the graceful part")
+    send(process, signal.SIGINT, True)
+    status, _ = exit_within(process, 10.0)  # CUT_SHORT_SECONDS at most, were it to hang
+    assert status == 130, (status, log.read_text()[-2000:])
+    wait_until(lambda: not survivors(family), 5, "its workers to go")
+    assert "Traceback" not in log.read_text(), log.read_text()[-2000:]

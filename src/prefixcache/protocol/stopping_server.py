@@ -3,18 +3,23 @@
 Shared by ``prefixcache serve`` and ``prefixcache route``: the first SIGINT/SIGTERM stops
 accepting and lets running requests finish for the config's ``timeout_graceful_shutdown``;
 with ``hard_deadline`` the process exits ``TEARDOWN_SECONDS`` later whatever still runs
-(status 1: something hung); a second signal skips what is left and exits 130.
+(status 1: something hung), and a second signal ends it at once with status 130 (without:
+uvicorn's forced exit, for servers run inside another program).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 from types import FrameType
 
 import uvicorn
 
 from prefixcache.shutdown import CUT_SHORT, TEARDOWN_SECONDS, exit_after
 
+log = logging.getLogger(__name__)
 CUT_SHORT_SECONDS = 2.0  # after a second signal: the last words, then exit 130
 
 
@@ -41,11 +46,22 @@ class StoppingServer(uvicorn.Server):
             self.on_first_signal()
             if self.hard_deadline:
                 exit_after(self.shutdown_timeout + TEARDOWN_SECONDS, 1, self.last_words)
+        elif self.signals == 2 and self.hard_deadline:
+            self._exit_now()
         elif self.signals == 2:
             self.force_exit = True  # uvicorn does it for a second SIGINT only
-            if self.hard_deadline:
-                exit_after(CUT_SHORT_SECONDS, CUT_SHORT, self.last_words)
         super().handle_exit(sig, frame)
+
+    def _exit_now(self) -> None:
+        """Exit 130 from the handler: the requests still running are dropped with their
+        connections (uvicorn's forced exit would cancel them and log each traceback)."""
+        log.warning("second signal: exiting now")
+        exit_after(CUT_SHORT_SECONDS, CUT_SHORT)  # should the last words hang
+        with contextlib.suppress(Exception):
+            self.last_words()
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(CUT_SHORT)
 
     def on_first_signal(self) -> None:
         """Called once, from the signal handler, before uvicorn starts stopping."""
