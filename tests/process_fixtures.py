@@ -1,7 +1,11 @@
-"""Helpers for tests that run a real command (`prefixcache cluster`, `prefixcache ray`)."""
+"""Helpers for tests that run a real command (`prefixcache cluster`, `prefixcache ray`), and
+the process table they check (read from /proc)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -26,3 +30,61 @@ def read_lines(process: subprocess.Popen) -> list[str]:
 
     threading.Thread(target=read, daemon=True).start()
     return lines
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """Every live process: pid -> (parent pid, command line), read from /proc (no zombies)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # it exited meanwhile
+            continue
+        if fields[0] != "Z":
+            table[int(entry)] = (int(fields[1]), command)
+    return table
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The live processes below ``pid`` (children, theirs, ...): pid -> command line."""
+    table, found, frontier = process_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, command) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = command
+                frontier.append(child)
+    return found
+
+
+def survivors(processes: dict[int, str]) -> list[str]:
+    """Those of ``processes`` (pid -> command line) still running as the same command."""
+    table = process_table()
+    return [command for pid, command in processes.items() if table.get(pid, (0, ""))[1] == command]
+
+
+def send(process: subprocess.Popen, sig: int, to_group: bool) -> None:
+    """``sig`` to the process, or to its whole process group (a terminal's Ctrl-C; it must
+    have been started with ``start_new_session``)."""
+    if to_group:
+        os.killpg(process.pid, sig)
+    else:
+        process.send_signal(sig)
+
+
+def exit_within(process: subprocess.Popen, timeout: float) -> tuple[int | str, float]:
+    """(exit status, seconds taken) or ("hang", timeout) after killing its group."""
+    started = time.monotonic()
+    try:
+        return process.wait(timeout), time.monotonic() - started
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.kill()
+        process.wait()
+        return "hang", timeout

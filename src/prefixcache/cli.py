@@ -10,6 +10,7 @@ from typing import Any
 
 from prefixcache.argtypes import positive_int
 from prefixcache.server.cli import add_serve_parser, run_serve
+from prefixcache.shutdown import sigterm_as_ctrl_c
 
 # Every other subcommand: its module, the function adding its parser, the one running it.
 # Imported only when needed: `serve` parses its own options alone, so a server's start-up
@@ -57,7 +58,17 @@ def _command(name: str, which: int) -> Callable[..., Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
+    """Entry point of the console script. SIGTERM stops a command as Ctrl-C does; a command
+    stopped before it is up (loading a model, building kernels) exits 0 without a traceback."""
+    sigterm_as_ctrl_c()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("prefixcache: interrupted", file=sys.stderr, flush=True)
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(only_serve=argv[:1] == ["serve"]).parse_args(argv)
     if args.command == "lab":

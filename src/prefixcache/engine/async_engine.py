@@ -194,6 +194,17 @@ class AsyncLLMEngine:
         """Run ``function(engine)`` on the engine thread between two steps."""
         return await self._call(CallInEngine(function))
 
+    def end_all(self, reason: str) -> None:
+        """Abort every request between two steps and end each open stream with
+        ``RuntimeError(reason)`` (a draining server's deadline: streams get an error event)."""
+        self._submit(CallInEngine(lambda engine: self._end_all(engine, reason)))
+
+    def _end_all(self, engine: LLMEngine, reason: str) -> None:
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+        for request_id in list(self._streams):
+            self._deliver(RuntimeError(reason), request_id)
+
     @property
     def num_pending(self) -> int:
         """Requests in the engine or on their way to it."""

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.model_names import MODEL_HELP
-from prefixcache.on_ray.keeper import with_parent_death
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
 
@@ -158,7 +157,7 @@ def _tier(args: argparse.Namespace, folder: Path) -> tuple[Child | None, str | N
     if args.kv_tier != EMBEDDED_REDIS:
         return None, args.kv_tier
     port = free_port()
-    redis = Child("redis", with_parent_death(redis_command(port, folder)))  # even on SIGKILL
+    redis = Child("redis", redis_command(port, folder))  # dies with us, even on SIGKILL
     redis.start()
     return redis, f"redis://127.0.0.1:{port}/0"
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from prefixcache.shutdown import with_parent_death
+
 START_TIMEOUT_S = 180.0  # a cold model build on a loaded node
 POLL_S = 0.2
 STOP_TIMEOUT_S = 10.0
@@ -26,12 +28,6 @@ STOP_TIMEOUT_S = 10.0
 def prefixcache_command(*arguments: str) -> list[str]:
     """``prefixcache ARGUMENTS`` with this interpreter, dying with its parent where it can."""
     return with_parent_death([sys.executable, "-m", "prefixcache.cli", *arguments])
-
-
-def with_parent_death(command: list[str]) -> list[str]:
-    """``command`` killed by the kernel when the thread that starts it dies (SIGKILL too)."""
-    setpriv = shutil.which("setpriv")  # util-linux; without it a SIGKILLed parent orphans it
-    return [setpriv, "--pdeathsig", "KILL", *command] if setpriv else command
 
 
 class PrivateFolder:

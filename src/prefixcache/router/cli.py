@@ -23,6 +23,7 @@ from prefixcache.router.policy import (
 from prefixcache.router.replicas import DEFAULT_HEALTH_INTERVAL_S, DEFAULT_HEALTH_TIMEOUT_S
 
 DEFAULT_PORT = 8080
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after a signal
 
 
 def add_route_parser(commands: argparse._SubParsersAction) -> None:
@@ -51,6 +52,15 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
         help="the replicas' tenant secret: without it the router cannot compute their digests",
     )
     add_limit_flags(route)
+    route.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT stop accepting, let running requests finish for this long, "
+        "then cancel the rest and exit; a second signal exits at once (status 130) "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
     _add_tuning(route)
 
 
@@ -129,9 +139,8 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
 
 def run_route(args: argparse.Namespace) -> int:
     """Build the router, say how it is set up, and serve until interrupted."""
-    import uvicorn
-
     from prefixcache.protocol.front import uvicorn_config
+    from prefixcache.protocol.stopping_server import StoppingServer
     from prefixcache.router.app import create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -164,5 +173,8 @@ def run_route(args: argparse.Namespace) -> int:
     app = create_router_app(config)
     quiet_health_checks(args.log_health_checks)
     timeout = config.limits.request_read_timeout
-    uvicorn.Server(uvicorn_config(app, args.host, args.port, timeout, log_level="info")).run()
-    return 0
+    uvicorn_options = {"log_level": "info", "timeout_graceful_shutdown": args.shutdown_timeout}
+    uvicorn_server = StoppingServer(
+        uvicorn_config(app, args.host, args.port, timeout, **uvicorn_options), hard_deadline=True
+    )
+    return uvicorn_server.run_until_stopped()

@@ -6,6 +6,10 @@ their event endpoints from `/health`). The cores are divided among the replicas;
 tenant secret is shared, so the router computes the replicas' digests and a shared tier
 serves every replica. A child that dies is reported and restarted after a short backoff.
 It says when the router sees the replicas join (the router answers 503 until one has).
+
+Stopping: Ctrl-C or SIGTERM sends every child SIGTERM at once (Redis last) and kills those
+still running after their own deadline; a second signal kills them at once (status 130).
+Each child runs under a parent-death signal, so even a SIGKILLed cluster leaves none.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from prefixcache.argtypes import unit_share
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.tenant_secret import load_secrets
+from prefixcache.shutdown import CUT_SHORT, TEARDOWN_SECONDS, kill_all, with_parent_death
 
 EMBEDDED_REDIS = "redis://embedded"
 RESTART_BACKOFF_S = 2.0
 HEALTH_POLL_TIMEOUT_S = 1.0
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # each child's graceful part; SIGKILL after its hard deadline
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,20 +68,17 @@ class Child:
     died_at: float | None = None
 
     def start(self) -> None:
+        """Start it in a session of its own (a terminal's Ctrl-C is ours to pass on), under a
+        parent-death signal (started from the main thread, it dies with this process)."""
         environment = {**os.environ, **self.env} if self.env else None
-        self.process = subprocess.Popen(self.command, env=environment, start_new_session=True)
+        command = with_parent_death(self.command)
+        self.process = subprocess.Popen(command, env=environment, start_new_session=True)
         self.died_at = None
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (a clean shutdown), then SIGKILL after ``timeout``."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            kill_all([self.process], timeout)
 
 
 @dataclass(slots=True)
@@ -110,6 +113,14 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
         "--retention-budget", type=unit_share, help="each replica's default retention share"
     )
     cluster.add_argument("--threads", type=int, help="per replica (default: cores / replicas)")
+    cluster.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on Ctrl-C/SIGTERM each replica and the router let running requests finish for "
+        f"this long (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); a second signal kills them at once",
+    )
     add_event_format_flags(cluster)
 
 
@@ -146,6 +157,7 @@ def _serve_command(
     command = _prefixcache() + ["serve", "--port", str(port), "--tenant-secret-file", secret]
     command += ["--kv-events", f"tcp://127.0.0.1:{events}"]
     command += ["--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--threads", str(threads)]
+    command += ["--shutdown-timeout", str(_shutdown_timeout(args))]
     command += event_format_args(args)
     for flag, value in (
         ("--model", args.model),
@@ -159,9 +171,14 @@ def _serve_command(
     return command
 
 
+def _shutdown_timeout(args: argparse.Namespace) -> float:
+    return getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT)
+
+
 def _route_command(args: argparse.Namespace, urls: list[str], secret: str) -> list[str]:
     command = _prefixcache() + ["route", "--host", args.host, "--port", str(args.port)]
     command += ["--policy", args.policy, "--tenant-secret-file", secret]
+    command += ["--shutdown-timeout", str(_shutdown_timeout(args))]
     for url in urls:
         command += ["--replica", url]
     for flag, value in (("--model", args.model), ("--api-key-file", args.api_key_file)):
@@ -221,19 +238,21 @@ def router_url(host: str, port: int) -> str:
 
 
 def supervise(
-    plan: ClusterPlan, stop_after: float | None = None, readiness: Readiness | None = None
+    plan: ClusterPlan,
+    stop_after: float | None = None,
+    readiness: Readiness | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> int:
-    """Start every child, restart those that die, stop all on Ctrl-C (or ``stop_after``)."""
+    """Start every child, restart those that die, stop all on Ctrl-C or SIGTERM (or
+    ``stop_after``): 0, or 130 if a second signal had them killed at once."""
     children = ([plan.redis] if plan.redis else []) + plan.replicas + [plan.router]
-    stopping = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     # Ctrl-C even when started from a shell that ignores SIGINT in background jobs.
-    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for child in children:
             child.start()
         started = time.monotonic()
-        while not stopping and (stop_after is None or time.monotonic() - started < stop_after):
+        while stop_after is None or time.monotonic() - started < stop_after:
             for child in children:
                 _restart_if_dead(child)
             if readiness is not None:
@@ -242,11 +261,28 @@ def supervise(
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, interrupt)
-        for child in reversed(children):
-            child.stop()
-    return 0
+        cut_short = _stop_children(plan, shutdown_timeout + TEARDOWN_SECONDS + 1.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return CUT_SHORT if cut_short else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_children(plan: ClusterPlan, timeout: float) -> bool:
+    """SIGTERM to the router and every replica at once, SIGKILL to those still running after
+    ``timeout``, then the same for Redis (their tier until the end); a second signal meanwhile
+    kills them at once. Whether it did."""
+    signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: signals.append(signum))
+    servers = [c.process for c in [plan.router, *plan.replicas] if c and c.process]
+    kill_all(servers, timeout, hurry=lambda: bool(signals))
+    if plan.redis is not None and plan.redis.process is not None:
+        kill_all([plan.redis.process], 5.0, hurry=lambda: bool(signals))
+    return bool(signals)
 
 
 def _restart_if_dead(child: Child) -> None:
@@ -287,4 +323,4 @@ def run_cluster(args: argparse.Namespace) -> int:
             flush=True,
         )
         readiness = Readiness(router_url(args.host, args.port), len(plan.urls))
-        return supervise(plan, readiness=readiness)
+        return supervise(plan, readiness=readiness, shutdown_timeout=args.shutdown_timeout)

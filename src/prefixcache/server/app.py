@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,6 +44,7 @@ from prefixcache.protocol.schemas import (
     CompletionRequest,
     PromptCacheFields,
 )
+from prefixcache.protocol.stopping_server import StoppingServer
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
@@ -62,6 +63,7 @@ from prefixcache.server.response_store import ResponseStore
 from prefixcache.server.responses_api import prepare_responses
 
 log = logging.getLogger("prefixcache.server")
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
@@ -119,10 +121,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         server.async_engine.start()
         yield
-        server.async_engine.shutdown()
-        server.pool.close()
+        server.async_engine.shutdown()  # its last events are queued to the publisher
         if publisher is not None:
-            publisher.close()
+            publisher.close()  # after the last batch
+        server.pool.close()
 
     app = FastAPI(title="prefixcache", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
@@ -289,7 +291,7 @@ async def _serve(
     tenant = tenant_of(request.scope)
     ticket: Ticket = request.scope["state"]["ticket"]
     if server.draining:
-        raise ApiError(503, "the server is shutting down; retry on another replica")
+        raise ApiError(503, SHUTTING_DOWN)
     raw = await request.body()
     if in_thread:  # it reads this process's state (the stored responses)
         ready = await server.pool.run(prepare, raw, server.prepare)
@@ -309,6 +311,10 @@ async def _serve(
         return _Stream(answer.stream(ready, fan_in, done), lambda: done.once(fan_in))
     try:
         finals = await _until_finished(fan_in, request, done)
+    except RuntimeError:
+        if not server.draining:
+            raise
+        raise ApiError(503, "the server shut down before this request finished") from None
     except asyncio.CancelledError:
         if not server.draining:
             raise
@@ -514,31 +520,42 @@ def started_banner(tenants: Tenants, model_name: str, host: str, port: int) -> s
     )
 
 
-class GracefulServer(uvicorn.Server):
+class GracefulServer(StoppingServer):
     """uvicorn, with the app told to refuse new requests (503) the moment a signal arrives.
 
-    uvicorn then stops accepting connections, lets running requests finish for
-    ``timeout_graceful_shutdown`` seconds, cancels the rest (their requests are aborted)
-    and runs the lifespan shutdown (the engine thread stops, leftovers are freed).
+    uvicorn then stops accepting connections and lets running requests finish; shortly
+    before ``shutdown_timeout`` the requests still running are ended (a stream gets an error
+    event, a whole response a 503) and the lifespan shutdown stops the engine thread, the
+    event publisher and the preparation workers (``StoppingServer``: the hard deadline and
+    the second signal).
     """
 
-    def __init__(self, config: uvicorn.Config, state: Server) -> None:
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, state: Server, hard_deadline: bool) -> None:
+        super().__init__(config, hard_deadline)
         self.state = state
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.state.draining:
-            log.info(
-                "shutting down: no new requests; %d in flight", self.state.async_engine.num_pending
-            )
+    def on_first_signal(self) -> None:
+        log.info(
+            "shutting down: no new requests; %d in flight", self.state.async_engine.num_pending
+        )
         self.state.draining = True
-        super().handle_exit(sig, frame)
+        timeout = self.shutdown_timeout  # end what still runs a little before uvicorn would
+        delay = max(0.0, timeout - min(1.0, timeout / 2))  # cancel it (no event, no 503)
+        timer = threading.Timer(delay, self.state.async_engine.end_all, (SHUTTING_DOWN,))
+        timer.name, timer.daemon = "drain-deadline", True
+        timer.start()
+
+    def last_words(self) -> None:
+        self.state.pool.close(timeout=0.0)
 
 
-def graceful_server(app: FastAPI, host: str, port: int, shutdown_timeout: float) -> GracefulServer:
-    """A uvicorn server for ``app`` that shuts down within ``shutdown_timeout`` seconds."""
+def graceful_server(
+    app: FastAPI, host: str, port: int, shutdown_timeout: float, hard_deadline: bool = False
+) -> GracefulServer:
+    """A uvicorn server for ``app`` that shuts down within ``shutdown_timeout`` seconds
+    (``hard_deadline``: this process exits ``TEARDOWN_SECONDS`` later whatever still runs)."""
     timeout = app.state.server.limits.request_read_timeout
     config = uvicorn_config(
         app, host, port, timeout, log_level="info", timeout_graceful_shutdown=shutdown_timeout
     )
-    return GracefulServer(config, app.state.server)
+    return GracefulServer(config, app.state.server, hard_deadline)

@@ -23,11 +23,14 @@ from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.event_flags import add_event_format_flags
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
+from prefixcache.shutdown import TEARDOWN_SECONDS
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+
+    from fastapi import FastAPI
 
     from prefixcache.engine.engine import LLMEngine
     from prefixcache.engine.weights import LoadedModel
@@ -111,8 +114,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT,
         metavar="SECONDS",
-        help="on SIGTERM/SIGINT stop admitting, let running requests finish for this long, "
-        f"then abort the rest and exit (default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+        help="on SIGTERM/SIGINT stop admitting (503), let running requests finish for this "
+        "long, then end the rest (streams get an error event) and exit; the process exits "
+        f"at most {TEARDOWN_SECONDS:g} s later whatever still runs, and at once (status "
+        f"130) on a second signal (default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     _add_tier_options(serve)
     _add_event_options(serve)
@@ -187,9 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixcache.engine.engine import EngineConfig, LLMEngine
     from prefixcache.engine.weights import load_model
     from prefixcache.protocol.auth import Tenants
-    from prefixcache.server.app import create_app, graceful_server, started_banner
-    from prefixcache.server.prepare_pool import WARM_QUIET_SECONDS
-    from prefixcache.tier import redact
+    from prefixcache.server.app import create_app
     from prefixcache.tier.seal import TierKeys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -241,7 +244,25 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(
         engine, tenants, name, max_pending=args.max_pending, publisher=publisher, limits=limits
     )
+    try:
+        return _serve_until_stopped(app, args, tenants, name)
+    finally:  # however it ends (a signal during start-up too): no worker outlives the server
+        app.state.server.pool.close()
+        if trace is not None:
+            trace.close()
+
+
+def _serve_until_stopped(
+    app: FastAPI, args: argparse.Namespace, tenants: Tenants, name: str
+) -> int:
+    """Say how the server is set up, serve until a signal; 0, or 130 if a second signal
+    cut the graceful shutdown short."""
+    from prefixcache.server.app import graceful_server, started_banner
+    from prefixcache.server.prepare_pool import WARM_QUIET_SECONDS
+    from prefixcache.tier import redact
+
     server = app.state.server  # large bodies' worker processes, once the engine is quiet
+    engine = server.engine
     server.pool.warm(
         server.prepare, lambda: server.async_engine.num_pending > 0, WARM_QUIET_SECONDS
     )
@@ -257,25 +278,22 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"logging cache key components to {args.log_cache_keys}", flush=True)
     if engine.tier is not None:
         print(f"KV tier: {engine.tier.client.medium} ({redact(args.kv_tier)})", flush=True)
-    if publisher is not None:
+    if app.state.kv_events is not None:
+        publisher = app.state.kv_events
         print(f"KV events: {publisher.endpoint} topic {publisher.topic}", flush=True)
     if args.metrics_port:
         try:
-            serve_metrics(app.state.server.metrics, args.metrics_port)
+            serve_metrics(server.metrics, args.metrics_port)
         except OSError as error:  # the port is taken
             print(
                 f"prefixcache serve: --metrics-port {args.metrics_port}: {error}", file=sys.stderr
             )
             return 2
     quiet_health_checks(args.log_health_checks)
-    try:
-        graceful_server(app, args.host, args.port, args.shutdown_timeout).run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
-        pass
-    finally:
-        if trace is not None:
-            trace.close()
-    return 0
+    uvicorn_server = graceful_server(
+        app, args.host, args.port, args.shutdown_timeout, hard_deadline=True
+    )
+    return uvicorn_server.run_until_stopped()
 
 
 def serving_model(args: argparse.Namespace) -> LoadedModel:

@@ -5,6 +5,11 @@ descheduled (it runs at a lower priority) the engine thread waits for the GIL at
 torch op: a decode step slows down many times over. Bodies of ``PROCESS_BODY_BYTES`` or
 more are therefore prepared in worker processes with their own GIL; small bodies, whose
 parse is shorter than a process round trip, stay on threads.
+
+Stopping never waits on a worker: the context goes to the workers through a private file
+(the spawn handshake then fits the pipe buffer, so a worker that a group signal killed
+mid-start cannot block its parent), workers start with SIGINT blocked (a terminal's Ctrl-C
+is their parent's to handle), and ``close`` terminates, then kills, within its deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +30,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
+
+from prefixcache.shutdown import kill_all, sigint_blocked
 
 if TYPE_CHECKING:
     from prefixcache.server.prepare import PrepareContext, Prepared
@@ -34,6 +43,7 @@ PROCESS_BODY_BYTES = 64 * 2**10  # bodies at least this large are prepared in a 
 PREPARE_PROCESSES = 2  # worker processes, started at the first large body (or by warm())
 PARENT_POLL_SECONDS = 1.0  # how often a worker checks that its server is still there
 WARM_QUIET_SECONDS = 1.0  # a server's engine idle this long lets its workers start (warm)
+CLOSE_TIMEOUT_SECONDS = 2.0  # close(): workers that ignore SIGTERM this long are killed
 
 Prepare = Callable[[bytes, "PrepareContext"], "Prepared"]
 
@@ -55,6 +65,8 @@ class PreparePool:
         self._processes, self.process_bytes = processes, process_bytes
         self._executor: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._context_file: str | None = None  # the pickled PrepareContext the workers read
+        self._closed = False
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """``function(*args)`` on a worker thread."""
@@ -100,10 +112,12 @@ class PreparePool:
             threading.Thread(target=wait_then_warm, name="prepare-warm", daemon=True).start()
 
     def _warm(self, ctx: PrepareContext) -> None:
+        log.info("prepare workers starting: %d processes", self._processes)
         try:
             pool = self._pool(ctx)
-            for _ in range(self._processes):
-                pool.submit(os.getpid)
+            with sigint_blocked():
+                for _ in range(self._processes):
+                    pool.submit(os.getpid)
         except (RuntimeError, OSError, BrokenProcessPool) as error:  # closed meanwhile
             log.info("prepare workers not started early: %s", error)
 
@@ -112,9 +126,17 @@ class PreparePool:
         pool = self._executor
         return [] if pool is None else list(pool._processes or {})
 
-    def close(self) -> None:
-        """Stop the worker processes (queued work is dropped: the server is going away)."""
-        self._discard()
+    def close(self, timeout: float = CLOSE_TIMEOUT_SECONDS) -> None:
+        """Stop the worker processes for good (queued work is dropped: the server is going
+        away): SIGTERM, SIGKILL after ``timeout``; no worker starts after this. The context
+        file goes first: a worker starting meanwhile, or missed here, sees it gone and exits."""
+        with self._lock:
+            self._closed = True
+            name, self._context_file = self._context_file, None
+        if name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        self._discard(timeout)
 
     @property
     def busy(self) -> int:
@@ -125,11 +147,15 @@ class PreparePool:
         """The body handed to a worker process; None if none can take it (use a thread)."""
         for _ in range(2):  # a pool that a dead worker broke is replaced, once
             try:
-                return self._pool(ctx).submit(_in_worker, function, raw)
+                pool = self._pool(ctx)
+                with sigint_blocked():  # a worker it starts inherits the mask
+                    return pool.submit(_in_worker, function, raw)
             except BrokenProcessPool:
                 log.warning("a prepare worker process died; starting new ones")
                 self._discard()
             except (RuntimeError, OSError) as error:  # e.g. an unguarded __main__ under spawn
+                if self._closed:  # shutting down: the thread finishes what was admitted
+                    return None
                 log.warning("prepare worker processes cannot start (%s); using threads", error)
                 self._processes = 0
                 return None
@@ -137,23 +163,31 @@ class PreparePool:
 
     def _pool(self, ctx: PrepareContext) -> ProcessPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the prepare pool is closed")
+            if self._context_file is None:
+                self._context_file = _write_context(ctx)
             if self._executor is None:
                 self._executor = ProcessPoolExecutor(
                     self._processes,
                     mp_context=multiprocessing.get_context("spawn"),  # never fork a threaded server
                     initializer=_start_worker,
-                    initargs=(ctx, os.getpid()),
+                    initargs=(self._context_file, os.getpid()),  # a path: a small handshake
                 )
             return self._executor
 
-    def _discard(self) -> None:
+    def _discard(self, timeout: float = CLOSE_TIMEOUT_SECONDS) -> None:
         with self._lock:
             pool, self._executor = self._executor, None
-        if pool is not None:
-            processes = list((pool._processes or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for process in processes:  # a preparation is bounded, but nobody awaits it now
-                process.terminate()
+        if pool is None:
+            return
+        processes = list((pool._processes or {}).values())
+        stopper = threading.Thread(  # it takes the lock a worker's start holds: never wait on it
+            target=pool.shutdown, kwargs={"wait": False, "cancel_futures": True}, daemon=True
+        )
+        stopper.start()
+        stopper.join(timeout)
+        kill_all(processes, timeout)  # a preparation is bounded, but nobody awaits it now
 
 
 def _yielding(function: Callable[..., T], *args: object) -> T:
@@ -166,19 +200,34 @@ def _yielding(function: Callable[..., T], *args: object) -> T:
 _worker_ctx: PrepareContext | None = None  # a worker process's copy, set by _start_worker
 
 
-def _start_worker(ctx: PrepareContext, server_pid: int) -> None:
-    """A worker process starts: lower its priority, keep its copy of the context, and
-    watch its server (a server that exits without closing its pool leaves no orphans)."""
+def _write_context(ctx: PrepareContext) -> str:
+    """``ctx`` pickled into a new private (0600) file; its path. Handed to a worker as is, the
+    context (1.5 MB with its tokenizer) overflows the spawn pipe, and its parent's write
+    blocks forever if the worker dies before reading it."""
+    descriptor, name = tempfile.mkstemp(prefix="prefixcache-prepare-", suffix=".pickle")
+    with os.fdopen(descriptor, "wb") as file:
+        pickle.dump(ctx, file, protocol=pickle.HIGHEST_PROTOCOL)
+    return name
+
+
+def _start_worker(context_file: str, server_pid: int) -> None:
+    """A worker process starts: lower its priority, read the context, and watch its server
+    (a server that exits without closing its pool leaves no orphans)."""
     global _worker_ctx
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, 0, NICENESS)
-    _worker_ctx = ctx
-    threading.Thread(target=_exit_with, args=(server_pid,), daemon=True).start()
+    try:
+        with open(context_file, "rb") as file:
+            _worker_ctx = pickle.load(file)
+    except OSError:  # the pool closed while this worker started: nothing to do
+        os._exit(0)
+    threading.Thread(target=_exit_with, args=(server_pid, context_file), daemon=True).start()
 
 
-def _exit_with(server_pid: int) -> None:
-    """Exit this worker process once its server process is gone (it was re-parented)."""
-    while os.getppid() == server_pid:
+def _exit_with(server_pid: int, context_file: str) -> None:
+    """Exit this worker process once its server process is gone (it was re-parented) or
+    has closed the pool (the context file is gone)."""
+    while os.getppid() == server_pid and os.path.exists(context_file):
         time.sleep(PARENT_POLL_SECONDS)
     os._exit(0)
 

@@ -75,7 +75,11 @@ def build(path: Path) -> Path:
     sources = [str(_HERE / name) for name in SOURCES if name.endswith(".cpp")]
     command = [compiler, *FLAGS, *includes, *sources, f"-L{lib}", f"-Wl,-rpath,{lib}"]
     command += ["-ltorch", "-ltorch_cpu", "-lc10", "-o", str(temporary)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    try:  # on Ctrl-C, run() kills the compiler before re-raising: no half-built file stays
+        done = subprocess.run(command, capture_output=True, text=True)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     if done.returncode != 0:
         temporary.unlink(missing_ok=True)
         raise BuildError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")

@@ -1,0 +1,92 @@
+"""How every command stops: SIGTERM as Ctrl-C, exit 0 (130 when a second signal cuts the
+graceful part short), a last-resort deadline, and children that cannot outlive us.
+
+Standard library only: every layer (server, router, cluster, Ray) may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+CUT_SHORT = 130  # the exit status after a second Ctrl-C/SIGTERM (128 + SIGINT, as shells say)
+TEARDOWN_SECONDS = 10.0  # a server's last stage after its graceful part: then it exits anyway
+
+
+def sigterm_as_ctrl_c() -> None:
+    """From now on SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so
+    both end a command the same way: its cleanup runs and it exits 0 (not killed, -15)."""
+    if threading.current_thread() is threading.main_thread():  # signals are the main thread's
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def exit_after(seconds: float, code: int, before: Callable[[], None] | None = None) -> None:
+    """End this process with ``code`` after ``seconds`` unless it ended already: the bound on a
+    shutdown whatever it waits on (``before`` runs first, e.g. to kill worker processes)."""
+
+    def expire() -> None:
+        log.warning("shutdown still running after %.1f s: exiting now", seconds)
+        if before is not None:
+            with contextlib.suppress(Exception):
+                before()
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, expire)
+    timer.name, timer.daemon = "shutdown-deadline", True
+    timer.start()
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread: a process started here inherits the mask and so never
+    sees a terminal's Ctrl-C (its parent stops it); this thread's other signals are unchanged."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def with_parent_death(command: list[str]) -> list[str]:
+    """``command`` killed by the kernel when the thread that starts it dies (SIGKILL too)."""
+    setpriv = shutil.which("setpriv")  # util-linux; without it a SIGKILLed parent orphans it
+    return [setpriv, "--pdeathsig", "KILL", *command] if setpriv else command
+
+
+def kill_all(processes: list, timeout: float, hurry: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM to each live ``subprocess.Popen``/``multiprocessing.Process`` at once, then
+    SIGKILL to those still running after ``timeout`` seconds (shared, not per process) or
+    as soon as ``hurry()`` turns true (e.g. a second Ctrl-C)."""
+    live = [p for p in processes if _alive(p)]
+    for process in live:
+        with contextlib.suppress(OSError):
+            process.terminate()
+    _wait_all(live, timeout, hurry)
+    for process in live:
+        if _alive(process):
+            with contextlib.suppress(OSError):
+                process.kill()
+    _wait_all(live, 5.0, lambda: False)  # SIGKILL is not refused: this only reaps them
+
+
+def _alive(process) -> bool:
+    poll = getattr(process, "poll", None)
+    return poll() is None if poll is not None else process.is_alive()
+
+
+def _wait_all(processes: list, timeout: float, hurry: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in processes) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
