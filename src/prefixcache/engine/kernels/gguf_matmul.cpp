@@ -47,8 +47,8 @@ void run_bf16(const uint8_t* src, int64_t n, float* dst) {
 
 constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per pass
 
-// y[t, r] for t < rows (rows - 1 indexes the table), r in [first, last): one type's decode kernel.
-// (x interleaved by simd::interleave).
+// One type's decode kernel for `rows` activation rows (entry rows - 1 of its table), laid out
+// by simd::interleave: y[t, r] for t < rows, r in [first, last).
 using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
                          int64_t first, int64_t last, float* y, int64_t out);
 
@@ -107,7 +107,7 @@ const Kernels* kernels_of(int64_t type) {
   }
 }
 
-constexpr int64_t kChunk = 256;       // values decoded at a time by the decode kernel
+constexpr int64_t kChunk = 256;          // values the portable decode kernel decodes at a time
 constexpr int64_t kTileBytes = 1 << 19;  // fp32 bytes of a prefill tile of weights
 
 struct Matrix {
@@ -223,11 +223,6 @@ at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type
 }
 
 }  // namespace
-
-const Format* format(int64_t type) {
-  const Kernels* k = kernels_of(type);
-  return k ? &k->portable : nullptr;
-}
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
   m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
