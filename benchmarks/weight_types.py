@@ -77,11 +77,11 @@ def bench_int4(shape: tuple[int, int]) -> str:
     q4 = TYPES["Q4_0"]
     x1, xp = torch.randn(1, shape[1]), torch.randn(PREFILL_ROWS, shape[1])
 
-    def linear(seed: int) -> quant.Int4Linear:
+    def linear(seed: int, dense: bool = False) -> quant.Int4Linear:
         raw = random_blocks(q4, *shape, seed)
-        return quant.Int4Linear(quant.q4_blocks(raw, q4.code, shape))
+        return quant.Int4Linear(quant.q4_blocks(raw, q4.code, shape), dense=dense)
 
-    first = linear(0)
+    first = linear(0, dense=True)  # the copies only decode: no dense W' for them
     linears = [first, *(linear(s) for s in range(1, copies(first.nbytes_read)))]
     hot = seconds(lambda: first(x1), 200)
     cold = cold_seconds([lambda f=f: f(x1) for f in linears])

@@ -34,9 +34,6 @@ struct Format {
   DecodeRun decode;
 };
 
-// The format of `type`, or nullptr for a type this file does not decode.
-const Format* format(int64_t type);
-
 namespace detail {
 
 // An fp16 at `p` as fp32 (exact): the F16C instruction where the CPU has it.

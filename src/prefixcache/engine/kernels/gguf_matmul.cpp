@@ -9,8 +9,8 @@
 //     activation rows a pass; with AVX-512 each 32 weights are decoded into two registers
 //     and multiplied into every row (gguf_simd.h), elsewhere 256 values at a time are decoded
 //     into a buffer that stays in L1 and dotted with every row.
-//   - Many rows (prefill): a tile of output rows is decoded into an fp32 buffer that stays in
-//     cache and multiplied by sgemm (at::mm), tile after tile.
+//   - Many rows (prefill): parallel over tiles of output rows, each decoded into an fp32
+//     buffer that stays in cache and multiplied by sgemm (at::mm).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,8 +47,8 @@ void run_bf16(const uint8_t* src, int64_t n, float* dst) {
 
 constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per pass
 
-// y[t, r] for t < rows (rows - 1 indexes the table), r in [first, last): one type's decode kernel.
-// (x interleaved by simd::interleave).
+// One type's decode kernel for `rows` activation rows (entry rows - 1 of its table), laid out
+// by simd::interleave: y[t, r] for t < rows, r in [first, last).
 using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
                          int64_t first, int64_t last, float* y, int64_t out);
 
@@ -107,7 +107,7 @@ const Kernels* kernels_of(int64_t type) {
   }
 }
 
-constexpr int64_t kChunk = 256;       // values decoded at a time by the decode kernel
+constexpr int64_t kChunk = 256;          // values the portable decode kernel decodes at a time
 constexpr int64_t kTileBytes = 1 << 19;  // fp32 bytes of a prefill tile of weights
 
 struct Matrix {
@@ -183,18 +183,22 @@ void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   }
 }
 
+// One parallel region: each thread takes whole tiles of output rows, decodes each into its own
+// buffer (which stays in its L2) and multiplies it by sgemm, single-threaded inside the region.
+// (Tile by tile with the threads joining twice per tile was 10x slower on a busy machine:
+// every join waits for the other thread's next time slice.)
 void prefill_matmul(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
   const int64_t tile = std::clamp<int64_t>(kTileBytes / (4 * w.in), 16, w.rows);
-  at::Tensor buffer = at::empty({tile, w.in}, x.options());
-  float* dst = buffer.data_ptr<float>();
-  for (int64_t first = 0; first < w.rows; first += tile) {
-    int64_t count = std::min(tile, w.rows - first);
-    at::parallel_for(0, count, 1, [&](int64_t a, int64_t b) {
-      w.decode_rows(first + a, b - a, dst + a * w.in);
-    });
-    at::Tensor out = y.narrow(1, first, count);
-    at::mm_out(out, x, buffer.narrow(0, 0, count).t());
-  }
+  const int64_t tiles = (w.rows + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
+    at::Tensor buffer = at::empty({tile, w.in}, x.options());
+    for (int64_t t = first_tile; t < last_tile; ++t) {
+      const int64_t first = t * tile, count = std::min(tile, w.rows - first);
+      w.decode_rows(first, count, buffer.data_ptr<float>());
+      at::Tensor out = y.narrow(1, first, count);
+      at::mm_out(out, x, buffer.narrow(0, 0, count).t());
+    }
+  });
 }
 
 at::Tensor dequantize_op(const at::Tensor& blocks, int64_t type, int64_t in, bool portable) {
@@ -223,11 +227,6 @@ at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type
 }
 
 }  // namespace
-
-const Format* format(int64_t type) {
-  const Kernels* k = kernels_of(type);
-  return k ? &k->portable : nullptr;
-}
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
   m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");

@@ -17,6 +17,19 @@ inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cas
 inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(15)); }
 inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)); }
 
+// 4- and 5-bit codes become values by table lookup: the 16 (32) values a block's codes can
+// take, computed once per block or sub-block with the reference's arithmetic, then one
+// permute per 16 weights instead of a conversion and a multiply.
+inline __m512 iota16(float start) {
+  return _mm512_add_ps(_mm512_set1_ps(start), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+inline __m512 lookup16(__m512 table, __m128i codes) {
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
+}
+inline __m512 lookup32(__m512 low, __m512 high, __m128i codes) {
+  return _mm512_permutex2var_ps(low, _mm512_cvtepu8_epi32(codes), high);
+}
+
 // Each decoder: `kParts` groups of 32 values per block; `State(b)` is what a block's parts
 // share (its scales), part(b, state, p, lo, hi) gives values 32p..32p+15 in `lo` and
 // 32p+16..32p+31 in `hi`.
@@ -37,10 +50,10 @@ struct Q4_0 {
   static constexpr int64_t kValues = 32, kBytes = 18, kParts = 1;
   using State = NoState;
   static void part(const uint8_t* b, const State&, int, __m512& lo, __m512& hi) {
-    const __m512 d = _mm512_set1_ps(detail::half_at(b));
-    const __m128i q = load16(b + 2), eight = _mm_set1_epi8(8);
-    lo = _mm512_mul_ps(d, widen_i8(_mm_sub_epi8(low_nibbles(q), eight)));
-    hi = _mm512_mul_ps(d, widen_i8(_mm_sub_epi8(high_nibbles(q), eight)));
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(detail::half_at(b)), iota16(-8));  // d (q - 8)
+    const __m128i q = load16(b + 2);
+    lo = lookup16(table, low_nibbles(q));
+    hi = lookup16(table, high_nibbles(q));
   }
 };
 
@@ -49,9 +62,10 @@ struct Q4_1 {
   using State = NoState;
   static void part(const uint8_t* b, const State&, int, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(detail::half_at(b)), m = _mm512_set1_ps(detail::half_at(b + 2));
+    const __m512 table = _mm512_fmadd_ps(d, iota16(0), m);  // d q + m
     const __m128i q = load16(b + 4);
-    lo = _mm512_fmadd_ps(d, widen_i8(low_nibbles(q)), m);
-    hi = _mm512_fmadd_ps(d, widen_i8(high_nibbles(q)), m);
+    lo = lookup16(table, low_nibbles(q));
+    hi = lookup16(table, high_nibbles(q));
   }
 };
 
@@ -67,11 +81,11 @@ struct Q5_0 {
   using State = NoState;
   static void part(const uint8_t* b, const State&, int, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(detail::half_at(b));
+    const __m512 low = _mm512_mul_ps(d, iota16(-16)), high = _mm512_mul_ps(d, iota16(0));  // d (q - 16)
     __m128i l, h;
     five_bits(b + 6, detail::u32_at(b + 2), l, h);
-    const __m128i sixteen = _mm_set1_epi8(16);
-    lo = _mm512_mul_ps(d, widen_i8(_mm_sub_epi8(l, sixteen)));
-    hi = _mm512_mul_ps(d, widen_i8(_mm_sub_epi8(h, sixteen)));
+    lo = lookup32(low, high, l);
+    hi = lookup32(low, high, h);
   }
 };
 
@@ -80,10 +94,11 @@ struct Q5_1 {
   using State = NoState;
   static void part(const uint8_t* b, const State&, int, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(detail::half_at(b)), m = _mm512_set1_ps(detail::half_at(b + 2));
+    const __m512 low = _mm512_fmadd_ps(d, iota16(0), m), high = _mm512_fmadd_ps(d, iota16(16), m);
     __m128i l, h;
     five_bits(b + 8, detail::u32_at(b + 4), l, h);
-    lo = _mm512_fmadd_ps(d, widen_i8(l), m);
-    hi = _mm512_fmadd_ps(d, widen_i8(h), m);
+    lo = lookup32(low, high, l);
+    hi = lookup32(low, high, h);
   }
 };
 
@@ -118,10 +133,11 @@ struct Q4_K {
   using State = K4Scales;
   static void part(const uint8_t* b, const State& s, int p, __m512& lo, __m512& hi) {
     const __m512 a = _mm512_set1_ps(s.a[p]), m = _mm512_set1_ps(s.m[p]);
+    const __m512 table = _mm512_fmsub_ps(a, iota16(0), m);  // a q - m
     __m128i l, h;
     k4_codes(b + 16, p, l, h);
-    lo = _mm512_fmsub_ps(a, widen_i8(l), m);
-    hi = _mm512_fmsub_ps(a, widen_i8(h), m);
+    lo = lookup16(table, l);
+    hi = lookup16(table, h);
   }
 };
 
@@ -135,8 +151,8 @@ struct Q5_K {
     const __m128i bit = _mm_set1_epi8(static_cast<char>(1 << p)), sixteen = _mm_set1_epi8(16);
     l = _mm_mask_add_epi8(l, _mm_test_epi8_mask(load16(b + 16), bit), l, sixteen);
     h = _mm_mask_add_epi8(h, _mm_test_epi8_mask(load16(b + 32), bit), h, sixteen);
-    lo = _mm512_fmsub_ps(a, widen_i8(l), m);
-    hi = _mm512_fmsub_ps(a, widen_i8(h), m);
+    lo = lookup32(_mm512_fmsub_ps(a, iota16(0), m), _mm512_fmsub_ps(a, iota16(16), m), l);
+    hi = lookup32(_mm512_fmsub_ps(a, iota16(0), m), _mm512_fmsub_ps(a, iota16(16), m), h);
   }
 };
 
