@@ -14,7 +14,7 @@ and the same token ids as prompts (`/v1/completions` takes a list of ids), EOS i
     llama-server reuses the longest prefix of its slot's previous prompt) and 16 at once;
   - ours, 16 at once with prefix caching off, for what the cache buys.
 The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
-slots, `--no-repack`: ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
+slots of 2,304 tokens each (`-c 36864`: the 2,000-token prompt fits one), `--no-repack`: ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
 where `make bench-peers` built `.venv-peers`, llama-cpp-python's server (which takes text
 prompts only: it gets the ids decoded, and tokenizes them itself). Ratios > 1: we are
 faster. One run: the machine is shared, so compare the ratios, not the seconds. The CPU's
@@ -109,7 +109,7 @@ def our_server(model: Path, threads: int, caching: bool = True) -> Starter:
 def llama_server(binary: Path, model: Path, threads: int) -> Starter:
     def start(port: int) -> subprocess.Popen:
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-        command += ["-t", str(threads), "-tb", str(threads), "-c", "16384", "-np", "16"]
+        command += ["-t", str(threads), "-tb", str(threads), "-c", "36864", "-np", "16"]
         command += ["--no-repack"]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
