@@ -14,7 +14,8 @@ and the same token ids as prompts (`/v1/completions` takes a list of ids), EOS i
     llama-server reuses the longest prefix of its slot's previous prompt) and 16 at once;
   - ours, 16 at once with prefix caching off, for what the cache buys.
 The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
-slots of 2,304 tokens each (`-c 36864`: the 2,000-token prompt fits one), `--no-repack`: ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
+slots of 2,304 tokens each, `-c 36864`, so the 2,000-token prompt fits one; `--no-repack`:
+ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
 where `make bench-peers` built `.venv-peers`, llama-cpp-python's server (which takes text
 prompts only: it gets the ids decoded, and tokenizes them itself). Ratios > 1: we are
 faster. One run: the machine is shared, so compare the ratios, not the seconds. The CPU's
