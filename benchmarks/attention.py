@@ -25,7 +25,7 @@ import transformers
 from prefixcache.engine.attention import AttentionMetadata, paged_attention
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
-from prefixcache.engine.model import LlamaModel
+from prefixcache.engine.models.llama import LlamaModel
 
 BLOCK = 16
 NUM_BLOCKS = 1400

@@ -1,12 +1,14 @@
-"""One stream, and a shared document, against llama.cpp's own server, over HTTP (issue 27).
+"""One stream, and a shared document, against llama.cpp's own server, over HTTP (issues 27, 34).
 
-Each case starts a fresh server and talks to it as a client would, over loopback HTTP, with
-the same GGUF (the default model, Q4_1), the same threads, greedy decoding,
+For each model (`--model`, repeatable; by default SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M),
+each case starts a fresh server and talks to it as a client would, over loopback HTTP, with
+the same GGUF, the same threads, greedy decoding,
 and the same token ids as prompts (`/v1/completions` takes a list of ids), EOS ignored
 (`ignore_eos`, or `min_tokens` = `max_tokens` where that is what a server knows):
   - start-up: process start to `/health` ok;
   - decode: one stream of 128 tokens, tokens/s after the first (median of 3);
   - short-prompt TTFT: 6 different prompts of ~10 tokens, one at a time, median;
+  - prefill: one 2,000-token prompt seen by nobody before, prompt tokens / TTFT;
   - a 540-token document followed by 16 different questions, 8 tokens out:
     one at a time (total, and TTFT p50 of the 15 requests whose document is cached:
     llama-server reuses the longest prefix of its slot's previous prompt) and 16 at once;
@@ -15,7 +17,8 @@ The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server
 slots, `--no-repack`: ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
 where `make bench-peers` built `.venv-peers`, llama-cpp-python's server (which takes text
 prompts only: it gets the ids decoded, and tokenizes them itself). Ratios > 1: we are
-faster. One run: the machine is shared, so compare the ratios, not the seconds.
+faster. One run: the machine is shared, so compare the ratios, not the seconds. The CPU's
+model and vector flags are printed first: a goal must hold on every CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -54,6 +58,8 @@ SHORT_PROMPTS = (  # each seen once per server: nothing cached
     "My favourite season of the year is",
 )
 DECODE_TOKENS = 128
+PREFILL_TOKENS = 2000
+MODELS = ("smollm2", "gemma3-270m")
 Starter = Callable[[int], subprocess.Popen]
 
 
@@ -65,6 +71,7 @@ class Prompts:
     decode: list[list[int]]
     short: list[list[int]]
     documents: list[list[int]]
+    long: list[int]  # PREFILL_TOKENS, shared with no other prompt
 
 
 @dataclass(frozen=True)
@@ -77,12 +84,13 @@ class Peer:
     detokenize: Callable[[list[int]], str] | None = None
 
 
-def our_server(threads: int, caching: bool = True) -> Starter:
+def our_server(model: Path, threads: int, caching: bool = True) -> Starter:
     """`make serve`'s command line (a disk tier in a temporary folder) on `port`."""
 
     def start(port: int) -> subprocess.Popen:
         tier = tempfile.mkdtemp(prefix="peers-tier-")
         command = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1"]
+        command += ["--model", str(model)]
         command += ["--port", str(port), "--threads", str(threads), "--kv-tier", f"disk:{tier}"]
         command += [] if caching else ["--no-prefix-caching"]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -176,10 +184,12 @@ def stream_cases(peer: Peer, prompts: Prompts) -> dict:
             timing = complete(client, server, prompt, DECODE_TOKENS)
             rates.append((DECODE_TOKENS - 1) / timing["decode"])
         ttfts = [complete(client, server, p, 1)["ttft"] for p in prompts.short]
+        prefill = complete(client, server, prompts.long, 1)["ttft"]
         return {
             "startup": server.startup,
             "decode": statistics.median(rates),
             "short_ttft": statistics.median(ttfts),
+            "prefill": len(prompts.long) / prefill,
         }
 
 
@@ -216,6 +226,7 @@ ROWS = (  # label, value, unit, higher is better
     ("start-up to /health", lambda r: r["startup"], "s", False),
     ("decode, one stream", lambda r: r["decode"], "tok/s", True),
     ("short-prompt TTFT", lambda r: r["short_ttft"] * 1e3, "ms", False),
+    ("prefill, 2,000 tokens", lambda r: r["prefill"], "tok/s", True),
     ("16 one at a time, total", lambda r: r["one"]["seconds"], "s", False),
     ("  cached-request TTFT p50", lambda r: r["one"]["cached_ttft"] * 1e3, "ms", False),
     ("16 at once, total", lambda r: r["many"]["seconds"], "s", False),
@@ -240,38 +251,68 @@ def table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def cpu_line() -> str:
+    """The CPU's model name and its vector extensions (they decide which kernels run)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(
+        line.split(":", 1) for line in info.splitlines()[:40] if ":" in line and "\t" in line
+    )
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    vector = [f for f in fields.get("flags", "").split() if f.startswith(("avx", "amx", "fma"))]
+    return f"CPU: {fields.get('model name', 'unknown')}; {' '.join(vector) or 'no AVX'}"
+
+
+def model_prompts(tokenizer) -> Prompts:
+    """The cases' prompts as `tokenizer`'s ids (BOS where the model wants one)."""
+    from engine import document_prompts, text
+
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    long = tokenizer.encode(text(random.Random(7), PREFILL_TOKENS))
+    return Prompts(
+        bos + tokenizer.encode("Warm up."),
+        [bos + tokenizer.encode(t) for t in DECODE_PROMPTS],
+        [bos + tokenizer.encode(t) for t in SHORT_PROMPTS],
+        document_prompts(tokenizer),
+        (bos + long)[:PREFILL_TOKENS],
+    )
+
+
+def compare(model: Path, threads: int, peer_python: Path) -> None:
+    """Every case on every server for one model file: the table and what caching buys."""
+    from prefixcache.engine.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    prompts = model_prompts(tokenizer)
+    servers = {
+        "prefixcache": Peer(our_server(model, threads)),
+        "llama-server": Peer(llama_server(ensure_built(), model, threads)),
+    }
+    if peer_python.exists():  # its server has no /health
+        start = llama_cpp_python(peer_python, model, threads)
+        servers["llama-cpp-python"] = Peer(start, "/v1/models", tokenizer.decode)
+    print(f"\n{model.name}, {threads} threads, one run")
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    results = {name: measure(peer, prompts) for name, peer in servers.items()}
+    print("\n".join(table(results)))
+    off = at_once(Peer(our_server(model, threads, caching=False)), prompts)["seconds"]
+    on = results["prefixcache"]["many"]["seconds"]
+    print(f"  ours, 16 at once: caching off {off:.2f} s, on {on:.2f} s: {off / on:.2f}x")
+    print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="every side")
     parser.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
+    parser.add_argument("--model", action="append", help=f"name or GGUF (default: {MODELS})")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine import document_prompts
-    from prefixcache.engine.model_files import default_model_path, load_tokenizer
+    from prefixcache.engine.model_files import model_source
 
-    tokenizer = load_tokenizer()
-    prompts = Prompts(
-        tokenizer.encode("Warm up."),
-        [tokenizer.encode(text) for text in DECODE_PROMPTS],
-        [tokenizer.encode(text) for text in SHORT_PROMPTS],
-        document_prompts(tokenizer),
-    )
-    model, threads = default_model_path(), args.threads
-    servers = {
-        "prefixcache": Peer(our_server(threads)),
-        "llama-server": Peer(llama_server(ensure_built(), model, threads)),
-    }
-    if args.peer_python.exists():  # its server has no /health
-        start = llama_cpp_python(args.peer_python, model, threads)
-        servers["llama-cpp-python"] = Peer(start, "/v1/models", tokenizer.decode)
-    print(f"prefixcache vs llama.cpp over HTTP: {model.name}, {threads} threads, one run")
-    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
-    results = {name: measure(peer, prompts) for name, peer in servers.items()}
-    print("\n".join(table(results)))
-    off = at_once(Peer(our_server(threads, caching=False)), prompts)["seconds"]
-    on = results["prefixcache"]["many"]["seconds"]
-    print(f"  ours, 16 at once: caching off {off:.2f} s, on {on:.2f} s: {off / on:.2f}x")
-    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    print("prefixcache vs llama.cpp over HTTP")
+    print(cpu_line())
+    for name in args.model or MODELS:
+        compare(model_source(name), args.threads, args.peer_python)
 
 
 if __name__ == "__main__":

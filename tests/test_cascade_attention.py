@@ -12,7 +12,7 @@ import torch
 from engine_fixtures import run_to_completion, tiny_engine
 from prefixcache.engine import attention
 from prefixcache.engine.attention import AttentionMetadata, find_shared_prefixes
-from prefixcache.engine.model import LlamaModel
+from prefixcache.engine.models.llama import LlamaModel
 from prefixcache.engine.sampling import SamplingParams
 from test_engine import run_workload
 from test_model_logits import BLOCK, Pair, Runner, Seq, _close, _tokens, hf_logits, make_pair

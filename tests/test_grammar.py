@@ -6,6 +6,7 @@ import pytest
 
 from engine_fixtures import default_tokenizer
 from prefixcache.engine.grammar import GrammarCache
+from prefixcache.protocol import tool_schemas
 from prefixcache.protocol.constraints import JsonOutput, ToolCalls, ToolSpec, canonical_json
 
 WEATHER = {
@@ -89,6 +90,24 @@ def test_tool_calls_accept_and_reject(
     cache: GrammarCache, mode: str, parallel: bool, text: str, ok: bool
 ) -> None:
     assert accepts(cache, ToolCalls(TOOLS, mode, parallel), text) is ok  # type: ignore[arg-type]
+
+
+def test_a_named_choice_is_exactly_one_call_even_with_parallel_calls_on(
+    cache: GrammarCache,
+) -> None:
+    tools = [
+        tool_schemas.FunctionDef(name="get_weather", parameters=WEATHER),
+        tool_schemas.FunctionDef(name="noop"),
+    ]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    mode, name = tool_schemas.tool_choice(choice, tools)
+    named = tool_schemas.constraint(tools, mode, name, parallel=True)
+    assert named == ToolCalls((tools[0].spec(),), "required", parallel=False)
+    assert accepts(cache, named, CALL)
+    assert not accepts(cache, named, CALL + CALL)
+    assert not accepts(cache, named, CALL + "\n" + CALL)
+    assert not accepts(cache, named, NOOP)
+    assert not accepts(cache, named, "")
 
 
 def test_special_tokens_are_never_text(cache: GrammarCache) -> None:

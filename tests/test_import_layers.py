@@ -13,7 +13,7 @@ import pytest
 import prefixcache
 
 PACKAGE = Path(prefixcache.__file__).parent
-FORBIDDEN_IN_ROUTER = ("torch", "prefixcache.engine.model", "prefixcache.server.app")
+FORBIDDEN_IN_ROUTER = ("torch", "prefixcache.engine.models", "prefixcache.server.app")
 UPPER_LAYERS = ("prefixcache.engine", "prefixcache.server", "prefixcache.router")
 
 

@@ -1,5 +1,6 @@
 """Tools on the Messages API on the real default model, through the anthropic SDK
-unchanged: forced and named calls, a streamed call, a cached tool_use → tool_result loop."""
+unchanged: forced and named calls (a named one is one call, even after a long system prompt),
+a streamed call, a cached tool_use → tool_result loop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from engine_fixtures import default_engine
 from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
+from test_tools_default_model import LONG_SYSTEM
 
 MODEL = "smollm2"
 WEATHER = {
@@ -68,10 +70,22 @@ def test_any_and_named_choices_give_valid_tool_use_blocks(served):
     assert use.type == "tool_use" and use.id.startswith("toolu_")
     _valid(use)
     named = api.messages.create(**fields(ASK, tool_choice={"type": "tool", "name": "get_time"}))
-    uses = [b for b in named.content if b.type == "tool_use"]
-    assert uses and all(u.name == "get_time" for u in uses)
-    for u in uses:
-        _valid(u)
+    (named_use,) = named.content
+    assert named_use.type == "tool_use" and named_use.name == "get_time"
+    _valid(named_use)
+
+
+def test_a_named_tool_is_one_tool_use_after_a_long_system_prompt(served):
+    api, _ = served
+    named = {"type": "tool", "name": "get_weather"}
+    reply = api.messages.create(
+        **fields(ASK, tool_choice=named, system=LONG_SYSTEM, max_tokens=120)
+    )
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens > 600
+    assert reply.stop_reason == "tool_use"
+    (use,) = reply.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    _valid(use)
 
 
 def test_a_streamed_tool_use_reassembles_into_the_same_input(served):

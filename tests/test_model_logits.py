@@ -13,7 +13,7 @@ import transformers
 from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
-from prefixcache.engine.model import LlamaModel
+from prefixcache.engine.models.llama import LlamaModel
 
 BLOCK = 4
 NUM_BLOCKS = 96

@@ -23,7 +23,7 @@ from engine_fixtures import (
 from prefixcache.engine import kernels, quant
 from prefixcache.engine.engine import EngineConfig
 from prefixcache.engine.int4_head import Int4Head
-from prefixcache.engine.model import LlamaModel
+from prefixcache.engine.models.llama import LlamaModel
 from prefixcache.engine.quant import Int4Linear, Q4Blocks
 from prefixcache.engine.sampling import SamplingParams
 from test_model_logits import Pair, Runner, _hf_config, _model_config, _tokens, hf_logits

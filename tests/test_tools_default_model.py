@@ -1,5 +1,6 @@
 """Tool calls end to end on the real default model, through the openai SDK unchanged:
-grammar-forced calls, a streamed call, a cached three-turn loop, the Responses round trip."""
+grammar-forced calls, a streamed call, a cached three-turn loop, the Responses round trip,
+and a named choice that is one call even after a long system prompt."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+LONG_SYSTEM = " ".join(
+    [
+        "You are a careful assistant for a travel company.",
+        "You answer questions about the weather, the local time and the travel plans of our",
+        "customers. Be concise, polite and accurate; never invent facts; when unsure, use a tool.",
+        "Our customers travel across Europe, mostly to Paris, Rome, Berlin, Oslo and Madrid.",
+    ]
+    * 12
+)  # ~800 tokens: after a long system prompt the model, allowed to, repeats a call
+LONG_ASK = [{"role": "system", "content": LONG_SYSTEM}, *ASK]
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +89,50 @@ def test_required_and_named_choices_call_with_valid_arguments(served):
     assert call.id.startswith("call_") and call.type == "function"
     _valid(call)
     named = chat(api, ASK, tool_choice={"type": "function", "function": {"name": "get_time"}})
-    calls = named.choices[0].message.tool_calls
-    assert calls and all(c.function.name == "get_time" for c in calls)
-    for c in calls:
-        _valid(c)
+    (named_call,) = named.choices[0].message.tool_calls
+    assert named_call.function.name == "get_time"
+    _valid(named_call)
+
+
+def test_a_named_choice_is_one_call_after_a_long_system_prompt(served):
+    api, _ = served
+    for name in ("get_weather", "get_time"):
+        choice = {"type": "function", "function": {"name": name}}
+        reply = chat(api, LONG_ASK, tool_choice=choice, max_tokens=120)
+        assert reply.usage.prompt_tokens > 600
+        message = reply.choices[0].message
+        (call,) = message.tool_calls
+        assert call.function.name == name and message.content is None
+        assert reply.choices[0].finish_reason == "tool_calls"
+        _valid(call)
+
+
+def test_a_streamed_named_choice_is_one_call_after_a_long_system_prompt(served):
+    api, _ = served
+    chunks = list(chat(api, LONG_ASK, tool_choice=NAMED_WEATHER, max_tokens=120, stream=True))
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert {t.index for t in calls} == {0}
+    assert [t.function.name for t in calls if t.function.name] == ["get_weather"]
+    arguments = json.loads("".join(t.function.arguments or "" for t in calls))
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_named_responses_choice_is_one_call_after_a_long_system_prompt(served):
+    api, _ = served
+    reply = api.responses.create(
+        model=MODEL,
+        instructions=LONG_SYSTEM,
+        input="Weather in Rome?",
+        tools=[{"type": "function", **WEATHER["function"]}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=120,
+    )
+    assert reply.usage.input_tokens > 600
+    (item,) = reply.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert isinstance(json.loads(item.arguments)["city"], str)
 
 
 def test_a_streamed_call_reassembles_into_the_same_call(served):

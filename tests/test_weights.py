@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -407,9 +408,54 @@ def test_truncated_gguf(gguf_path: Path, tmp_path: Path, keep: int) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "q.gguf", tiny_state(TINY), TINY, arch="qwen2")
-    with pytest.raises(ModelFileError, match=r"q\.gguf: architecture 'qwen2' is not supported"):
+    write_tiny_gguf(tmp_path / "q.gguf", tiny_state(TINY), TINY, arch="mamba")
+    with pytest.raises(ModelFileError, match=r"q\.gguf: architecture 'mamba' is not supported"):
         load_model(tmp_path / "q.gguf")
+
+
+def test_a_tensor_of_an_unknown_type_is_named(tmp_path: Path) -> None:
+    """A type number no GGUF reader knows: the error names the file, the tensor and the type."""
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, tiny_state(TINY), TINY)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    start = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    dims = struct.unpack_from("<I", data, start)[0]
+    struct.pack_into("<I", data, start + 4 + 8 * dims, 99)  # the tensor's type field
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError) as info:
+        load_model(path)
+    assert str(info.value) == f"{path}: tensor blk.0.ffn_up.weight has type 99, unknown to GGUF"
+
+
+@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count"])
+def test_missing_metadata_is_named(tmp_path: Path, key: str) -> None:
+    source, path = tmp_path / "full.gguf", tmp_path / "cut.gguf"
+    write_tiny_gguf(source, tiny_state(TINY), TINY)
+    copy_without_field(source, path, key)
+    with pytest.raises(ModelFileError, match=rf"cut\.gguf: metadata {re.escape(key)} is missing"):
+        load_model(path)
+
+
+def copy_without_field(source: Path, target: Path, key: str) -> None:
+    """`source` rewritten by gguf-py with one metadata key left out."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name == key or name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), kind)
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        writer.add_tensor(tensor.name, np.asarray(tensor.data).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def test_missing_tensor_names(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ results are merged exactly by their log-sum-exps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 
 import torch
@@ -58,6 +58,7 @@ class DecodeBatch:
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool, True = attend
     bias: torch.Tensor | None = None  # the mask as fp32 0/-inf, for group members
     num_keys: int = 0  # keys of the longest sequence (a lone one needs no mask: it is cut)
+    window: int = 0  # a sliding-window layer's span: a row sees only its last `window` keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +89,30 @@ class AttentionMetadata:
     shared_prefixes: tuple[SharedPrefix, ...] = ()
     shared_decode: DecodeBatch | None = None  # group members' decode rows, past the prefix
     lone_table: tuple[int, ...] | None = None  # a batch of one sequence: its blocks
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    window: int = 0  # 0: full attention; else each query sees its last `window` positions
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         """Rows in the flattened batch."""
         return int(self.positions.shape[0])
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """The same batch for a sliding-window layer: each query attends to the last
+        `window` positions up to its own (no cascade groups); built once per step."""
+        if window <= 0 or max(self.context_lens) <= window:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = AttentionMetadata.build(
+                self.query_lens,
+                self.context_lens,
+                [list(t) for t in self.block_tables],
+                self.block_size,
+                share_prefixes=False,
+                window=window,
+            )
+        return self._windowed[window]
 
     @classmethod
     def build(
@@ -104,13 +124,15 @@ class AttentionMetadata:
         share_prefixes: bool = True,
         min_shared_blocks: int | None = None,
         min_saved_tokens: int | None = None,
+        window: int = 0,
     ) -> AttentionMetadata:
         """Metadata for a batch where sequence i adds its last `query_lens[i]` positions.
 
         With `share_prefixes`, groups of >= 2 sequences sharing >= `min_shared_blocks`
         leading blocks before their queries, that save >= `min_saved_tokens` gathered
         tokens, get cascade attention (`shared_prefixes`, `shared_decode`). The limits
-        default to `MIN_SHARED_BLOCKS` and `MIN_SAVED_TOKENS`.
+        default to `MIN_SHARED_BLOCKS` and `MIN_SAVED_TOKENS`. A `window` masks each query
+        to its last `window` positions (a sliding-window layer).
         """
         _validate(query_lens, context_lens, block_tables, block_size)
         positions, slots = _positions_and_slots(query_lens, context_lens, block_tables, block_size)
@@ -127,7 +149,9 @@ class AttentionMetadata:
         for seqs, num_blocks in groups:
             for i in seqs:
                 key_starts[i] = num_blocks * block_size
-        parts = _Parts(query_lens, context_lens, block_tables, block_size, starts, key_starts)
+        parts = _Parts(
+            query_lens, context_lens, block_tables, block_size, starts, key_starts, window
+        )
         lone = None
         if len(query_lens) == 1:
             lone = tuple(block_tables[0][: cdiv(context_lens[0], block_size)])
@@ -137,7 +161,7 @@ class AttentionMetadata:
             torch.tensor(starts[1:], dtype=torch.long) - 1,
             parts.decode(shared=False), parts.prefills(),
             tuple(parts.shared_prefix(seqs, n) for seqs, n in groups), parts.decode(shared=True),
-            lone,
+            lone, tuple(map(tuple, block_tables)), window,
         )  # fmt: skip
 
 
@@ -261,6 +285,7 @@ class _Parts:
     block_size: int
     starts: list[int]
     key_starts: list[int]
+    window: int = 0
 
     def prefills(self) -> tuple[PrefillSeq, ...]:
         """Every sequence with several new tokens."""
@@ -271,8 +296,11 @@ class _Parts:
         q, c, key_start = self.query_lens[i], self.context_lens[i], self.key_starts[i]
         ids = self.tables[i][key_start // self.block_size : cdiv(c, self.block_size)]
         mask = bias = None
-        if c - q > key_start:
-            mask = torch.arange(key_start, c)[None, :] <= torch.arange(c - q, c)[:, None]
+        if c - q > key_start or (self.window and c > self.window):
+            keys, queries = torch.arange(key_start, c)[None, :], torch.arange(c - q, c)[:, None]
+            mask = keys <= queries
+            if self.window:
+                mask &= keys > queries - self.window
             bias = _bias(mask) if key_start else None
         block_ids = torch.tensor(ids, dtype=torch.long)
         return PrefillSeq(self.starts[i], q, c, block_ids, mask, key_start, bias)
@@ -294,12 +322,15 @@ class _Parts:
             used = cdiv(n, self.block_size)
             padded.extend(self.tables[i][skip : skip + used])
             padded.extend([0] * (width - used))
-        mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(lens)[:, None]
+        keys, ends = torch.arange(width * self.block_size)[None, :], torch.tensor(lens)[:, None]
+        mask = keys < ends
+        if self.window:
+            mask &= keys >= ends - self.window
         rows = _rows([range(self.starts[i], self.starts[i] + 1) for i in seqs])
         block_ids = torch.tensor(padded, dtype=torch.long)
         mask = mask[:, None, None, :]
         bias = _bias(mask) if shared else None
-        return DecodeBatch(rows, len(seqs), block_ids, mask, bias, max(lens))
+        return DecodeBatch(rows, len(seqs), block_ids, mask, bias, max(lens), self.window)
 
     def shared_prefix(self, seqs: list[int], num_blocks: int) -> SharedPrefix:
         """The group's shared blocks and all of its members' query rows."""
@@ -393,7 +424,8 @@ def _decode_kv(
     k = _gather(cache, 0, decode.block_ids).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = _gather(cache, 1, decode.block_ids).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     if n == 1:  # a lone sequence: cut its keys to its length instead of masking the rest
-        k, v = k[:, :, : decode.num_keys], v[:, :, : decode.num_keys]
+        first = max(0, decode.num_keys - decode.window) if decode.window else 0
+        k, v = k[:, :, first : decode.num_keys], v[:, :, first : decode.num_keys]
     grouped = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     return grouped, k.to(q.dtype), v.to(q.dtype)
 

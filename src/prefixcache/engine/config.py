@@ -1,4 +1,4 @@
-"""The shape of a Llama-family model: everything the engine needs besides weights."""
+"""The shape of a decoder model: everything the engine needs besides weights."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU)."""
+    """Hyperparameters of a decoder (GQA, RoPE, RMSNorm); `architecture` names its family.
+
+    The family's file (`engine/models/`) reads the fields it has: QKV bias (qwen2), QK-norm
+    (qwen3, gemma3), per-dimension RoPE divisors (Llama 3's `rope_freqs`), sliding-window
+    layers with their own RoPE base (gemma3).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -29,6 +34,26 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = "model"
     revision: str = ""
+    architecture: str = "llama"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_freq_factors: tuple[float, ...] = ()  # divides each RoPE frequency (Llama 3 scaling)
+    sliding_window: int = 0  # tokens a window layer attends to; 0: every layer is full
+    window_layers: tuple[bool, ...] = ()  # per layer: a window layer; (): all, if a window
+    rope_local_theta: float = 10000.0  # RoPE base of the window layers
+    attention_scale: float = 0.0  # 0: head_dim ** -0.5
+    embedding_scale: float = 1.0  # the embedding lookup is multiplied by this
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether `layer` attends only to the last `sliding_window` tokens."""
+        if not self.sliding_window:
+            return False
+        return not self.window_layers or self.window_layers[layer]
+
+    @property
+    def scale(self) -> float:
+        """The attention's query scale."""
+        return self.attention_scale or self.head_dim**-0.5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

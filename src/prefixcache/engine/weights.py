@@ -20,7 +20,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.model import LlamaModel, hf_tensor_shapes, short_list, tensor_problems
 from prefixcache.engine.model_files import (
     ModelFileError,
     gguf_metadata,
@@ -29,23 +28,11 @@ from prefixcache.engine.model_files import (
     open_gguf,
     read_json,
 )
+from prefixcache.engine.models import SUPPORTED_ARCHITECTURES, build_model, family
+from prefixcache.engine.models.family import Family, GgufFields
+from prefixcache.engine.models.llama import short_list, tensor_problems
 from prefixcache.engine.quant import Q4Blocks, Q8Blocks, is_q4, is_q8, q4_blocks, q8_blocks
 from prefixcache.engine.tokenizer import Tokenizer
-
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
-
-# GGUF tensor name -> HF name, per layer ("blk.{i}." / "model.layers.{i}.").
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 
 
 @dataclass(slots=True)
@@ -58,7 +45,7 @@ class LoadedModel:
     source: Path
     quantized: dict[str, Q4Blocks | Q8Blocks] = field(default_factory=dict)  # HF name -> blocks
     # Built already (`engine/weight_cache.py`): the fp32 model on int4 kernels, its int4 names.
-    model: LlamaModel | None = None
+    model: torch.nn.Module | None = None
     int4_weights: list[str] = field(default_factory=list)
 
 
@@ -72,7 +59,8 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state-dict name a checkpoint for `config` must have, with its HF shape."""
-    return hf_tensor_shapes(config)
+    targets = build_model(config, device="meta").weight_targets()
+    return {name: tuple(target.shape) for name, target in targets.items()}
 
 
 def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
@@ -90,15 +78,20 @@ def _load_gguf(path: Path) -> LoadedModel:
     meta = gguf_metadata(reader, path)
     tokenizer = gguf_tokenizer(meta, path)
     tensors = {t.name: t for t in reader.tensors}
-    config = _gguf_config(meta, tensors, tokenizer, path)
-    names = _gguf_names(tensors, config, path)
-    state = {hf: _gguf_tensor(tensors[g], config, path) for g, hf in names.items()}
+    fields = GgufFields(meta, tensors, _gguf_architecture(meta, path), path)
+    kind = family(fields.arch)
+    assert kind is not None
+    config = _gguf_config(fields, kind, tokenizer)
+    names = _gguf_names(tensors, config, kind, path)
+    permuted = kind.permuted_qk
+    state = {hf: _gguf_tensor(tensors[g], config, permuted, path) for g, hf in names.items()}
     check_state_dict(state, config, path)
-    return LoadedModel(config, state, tokenizer, path, _gguf_blocks(tensors, names, config))
+    blocks = _gguf_blocks(tensors, names, config, permuted)
+    return LoadedModel(config, state, tokenizer, path, blocks)
 
 
 def _gguf_blocks(
-    tensors: dict[str, Any], names: dict[str, str], config: ModelConfig
+    tensors: dict[str, Any], names: dict[str, str], config: ModelConfig, permuted: bool
 ) -> dict[str, Q4Blocks | Q8Blocks]:
     """The 2-D Q4_0/Q4_1 tensors as `Q4Blocks`; a Q8_0 output matrix as `Q8Blocks`."""
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -106,61 +99,56 @@ def _gguf_blocks(
     for g, hf in names.items():
         tensor = tensors[g]
         if len(tensor.shape) == 2 and is_q4(tensor.tensor_type):
-            blocks[hf] = _gguf_q4(tensor, config)
+            blocks[hf] = _gguf_q4(tensor, config, permuted)
         elif g == head and is_q8(tensor.tensor_type):
             blocks[hf] = q8_blocks(tensor.data, (int(tensor.shape[1]), int(tensor.shape[0])))
     return blocks
 
 
-def _gguf_config(
-    meta: dict[str, Any], tensors: dict[str, Any], tokenizer: Tokenizer, path: Path
-) -> ModelConfig:
-    """ModelConfig from `{arch}.*` metadata; tied embeddings when there is no output.weight."""
-    arch = _check_gguf_support(meta, path)
-    heads = _gguf_number(meta, f"{arch}.attention.head_count", path)
-    hidden = _gguf_number(meta, f"{arch}.embedding_length", path)
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+def _gguf_config(fields: GgufFields, kind: Family, tokenizer: Tokenizer) -> ModelConfig:
+    """ModelConfig from `{arch}.*` metadata and the family's own fields; tied embeddings
+    when there is no output.weight."""
+    heads, hidden = fields.number("attention.head_count"), fields.number("embedding_length")
+    head_dim = int(fields.get("attention.key_length", hidden // heads))
+    rotary = int(fields.get("rope.dimension_count", head_dim))
     if rotary != head_dim:
-        raise ModelFileError(f"{path}: partial RoPE ({rotary} of {head_dim} dims) not supported")
+        raise ModelFileError(
+            f"{fields.path}: partial RoPE ({rotary} of {head_dim} dims) not supported"
+        )
+    value_dim = int(fields.get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ModelFileError(
+            f"{fields.path}: value heads of {value_dim} dims differ from key heads of {head_dim}"
+        )
     return _make_config(
-        path,
-        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        fields.path,
+        vocab_size=len(fields.meta["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
-        intermediate_size=_gguf_number(meta, f"{arch}.feed_forward_length", path),
-        num_layers=_gguf_number(meta, f"{arch}.block_count", path),
+        intermediate_size=fields.number("feed_forward_length"),
+        num_layers=fields.number("block_count"),
         num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=int(fields.get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=_gguf_number(meta, f"{arch}.attention.layer_norm_rms_epsilon", path, float),
-        max_position_embeddings=_gguf_number(meta, f"{arch}.context_length", path),
-        tie_word_embeddings="output.weight" not in tensors,
+        rope_theta=float(fields.get("rope.freq_base", 10000.0)),
+        rms_norm_eps=fields.number("attention.layer_norm_rms_epsilon", float),
+        max_position_embeddings=fields.number("context_length"),
+        tie_word_embeddings="output.weight" not in fields.tensors,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
-        name=str(meta.get("general.name") or path.stem),
-        revision=_gguf_file_type(meta),
+        name=str(fields.meta.get("general.name") or fields.path.stem),
+        revision=_gguf_file_type(fields.meta),
+        architecture=fields.arch,
+        **kind.config_fields(fields),
     )
 
 
-def _check_gguf_support(meta: dict[str, Any], path: Path) -> str:
+def _gguf_architecture(meta: dict[str, Any], path: Path) -> str:
     """The architecture name, if it is one we run; else ModelFileError."""
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or family(arch) is None:
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         raise ModelFileError(f"{path}: architecture {arch!r} is not supported (only {supported})")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ModelFileError(f"{path}: RoPE scaling {scaling!r} is not supported")
     return arch
-
-
-def _gguf_number(meta: dict[str, Any], key: str, path: Path, kind: type = int) -> Any:
-    """A required positive scalar metadata value."""
-    value = meta.get(key)
-    if value is None or isinstance(value, list | str) or not value > 0:
-        raise ModelFileError(f"{path}: metadata {key} is missing or not a positive number")
-    return kind(value)
 
 
 def _gguf_file_type(meta: dict[str, Any]) -> str:
@@ -171,46 +159,50 @@ def _gguf_file_type(meta: dict[str, Any]) -> str:
         return ""
 
 
-def _gguf_names(tensors: dict[str, Any], config: ModelConfig, path: Path) -> dict[str, str]:
+def _gguf_names(
+    tensors: dict[str, Any], config: ModelConfig, kind: Family, path: Path
+) -> dict[str, str]:
     """GGUF tensor name -> HF name; ModelFileError naming missing and unexpected tensors."""
     names = {"token_embd.weight": "model.embed_tokens.weight"}
     names["output_norm.weight"] = "model.norm.weight"
     if not config.tie_word_embeddings:
         names["output.weight"] = "lm_head.weight"
     for i in range(config.num_layers):
-        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in _LAYER_NAMES.items()})
+        layer = kind.layer_names.items()
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in layer})
     problems = []
     if missing := sorted(set(names) - set(tensors), key=_natural):
         problems.append(f"missing tensors {short_list(missing)}")
-    if extra := sorted(set(tensors) - set(names), key=_natural):
+    if extra := sorted(set(tensors) - set(names) - kind.consumed, key=_natural):
         problems.append(f"unexpected tensors {short_list(extra)}")
     if problems:
         raise ModelFileError(f"{path}: " + "; ".join(problems))
     return names
 
 
-def _gguf_tensor(tensor: Any, config: ModelConfig, path: Path) -> torch.Tensor:
-    """One tensor as float32 in HF layout ([out_features, in_features])."""
+def _gguf_tensor(tensor: Any, config: ModelConfig, permuted: bool, path: Path) -> torch.Tensor:
+    """One tensor as float32 in HF layout ([out_features, in_features]); Q/K rows that
+    llama.cpp's converter `permuted` for Llama's RoPE are put back."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dim first
     try:
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     except (NotImplementedError, ValueError) as exc:
         kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
         raise ModelFileError(f"{path}: cannot dequantize {tensor.name} ({kind}): {exc}") from exc
-    if ".attn_q." in tensor.name:
+    if permuted and ".attn_q." in tensor.name:
         values = unpermute_qk(values, config.num_heads)
-    elif ".attn_k." in tensor.name:
+    elif permuted and ".attn_k." in tensor.name:
         values = unpermute_qk(values, config.num_kv_heads)
     # Dequantized arrays are fresh; F32 ones are read-only views of the file and get copied.
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
 
-def _gguf_q4(tensor: Any, config: ModelConfig) -> Q4Blocks:
+def _gguf_q4(tensor: Any, config: ModelConfig, permuted: bool) -> Q4Blocks:
     """A Q4_0/Q4_1 tensor's blocks in HF layout, Q/K rows un-permuted like `_gguf_tensor`."""
     shape = (int(tensor.shape[1]), int(tensor.shape[0]))
     blocks = q4_blocks(tensor.data, tensor.tensor_type, shape)
     for marker, heads in ((".attn_q.", config.num_heads), (".attn_k.", config.num_kv_heads)):
-        if marker in tensor.name:
+        if permuted and marker in tensor.name:
             blocks = blocks.rows(unpermute_qk(np.arange(shape[0]), heads))
     return blocks
 
@@ -271,8 +263,11 @@ def _hf_config(raw: dict[str, Any], tokenizer: Tokenizer, folder: Path) -> Model
 
 def _check_hf_support(raw: dict[str, Any], path: Path) -> None:
     """ModelFileError unless the config describes a plain Llama we can run."""
-    if raw.get("model_type") not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(f"{path}: model_type {raw.get('model_type')!r} is not supported")
+    if raw.get("model_type") != "llama":
+        raise ModelFileError(
+            f"{path}: model_type {raw.get('model_type')!r} is not supported in a Hugging Face "
+            "folder (only 'llama'; other families load from their GGUF file)"
+        )
     scaling = raw.get("rope_scaling") or {}
     rope_type = (
         scaling.get("rope_type")

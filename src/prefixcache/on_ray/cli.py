@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from prefixcache.argtypes import positive_int, unit_share
+from prefixcache.model_names import MODEL_HELP
 from prefixcache.on_ray.keeper import with_parent_death
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
@@ -37,7 +38,7 @@ def add_ray_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the ingress's address")
     parser.add_argument("--routing", choices=ROUTINGS, default=ROUTINGS[0])
     parser.add_argument("--policy", default="cache-aware", help="the router's policy")
-    parser.add_argument("--model", help="GGUF file or HF folder, the same path on every node")
+    parser.add_argument("--model", help=f"{MODEL_HELP}; the same on every node")
     parser.add_argument("--kv-tier", metavar="SPEC", help=f"redis://... or {EMBEDDED_REDIS}")
     parser.add_argument("--api-key-file")
     parser.add_argument("--tenant-secret-file", help="default: a new one for this run")

@@ -1,8 +1,9 @@
 """Anthropic's ``tool_choice`` in the OpenAI routes' terms, so one set of rules serves both.
 
 ``{"type": "auto"}`` is ``"auto"``, ``{"type": "any"}`` is ``"required"``, ``{"type":
-"tool", "name": ...}`` is a named function, ``{"type": "none"}`` is ``"none"``;
-``disable_parallel_tool_use`` allows at most one call.
+"tool", "name": ...}`` is a named function (exactly one call, as on the OpenAI routes:
+Anthropic's one call is always a valid answer, and a small model allowed more repeats it),
+``{"type": "none"}`` is ``"none"``; ``disable_parallel_tool_use`` allows at most one call.
 """
 
 from __future__ import annotations

@@ -47,9 +47,9 @@ class ToolCalls:
     """Text and/or tool calls (TOOL_CALL_OPEN ... TOOL_CALL_CLOSE, each one call).
 
     ``auto``: free text without TOOL_CALL_OPEN, then zero or more calls; ``required``: one
-    or more calls and no text (a named ``tool_choice`` is ``required`` with that one tool).
-    ``parallel=False`` allows at most one call. Each call's ``name`` is one of ``tools`` and
-    its ``arguments`` match that tool's schema.
+    or more calls and no text. ``parallel=False`` allows at most one call (so ``required``
+    with it is exactly one: a named ``tool_choice`` is that, with the one tool). Each call's
+    ``name`` is one of ``tools`` and its ``arguments`` match that tool's schema.
     """
 
     tools: tuple[ToolSpec, ...]

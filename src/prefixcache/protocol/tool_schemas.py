@@ -176,11 +176,16 @@ def tool_choice(
 def constraint(
     tools: list[FunctionDef], mode: Mode, name: str | None, parallel: bool
 ) -> ToolCalls | None:
-    """What the output must match; None for no tools or ``tool_choice: none``."""
+    """What the output must match; None for no tools or ``tool_choice: none``.
+
+    A named choice is exactly one call of that tool, whatever ``parallel`` says (OpenAI's
+    "call exactly one specific function"): a model that may write more repeats the call."""
     if not tools or mode == "none":
         return None
-    chosen = [t for t in tools if name is None or t.name == name]
-    return ToolCalls(tuple(t.spec() for t in chosen), mode, parallel)
+    if name is not None:
+        (named,) = [t for t in tools if t.name == name]
+        return ToolCalls((named.spec(),), "required", parallel=False)
+    return ToolCalls(tuple(t.spec() for t in tools), mode, parallel)
 
 
 def unique_names(tools: list[FunctionDef]) -> None:

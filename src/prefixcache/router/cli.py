@@ -7,6 +7,7 @@ import logging
 import sys
 
 from prefixcache.argtypes import non_negative_int, positive_int
+from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
 from prefixcache.router.affinity import DEFAULT_MAX_KEYS
@@ -42,10 +43,7 @@ def add_route_parser(commands: argparse._SubParsersAction) -> None:
     route.add_argument("--host", default="127.0.0.1")
     route.add_argument("--port", type=int, default=DEFAULT_PORT)
     route.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_NAMES)
-    route.add_argument(
-        "--model",
-        help="GGUF file or HF folder whose tokenizer the replicas use (default: SmolLM2-135M)",
-    )
+    route.add_argument("--model", help=f"the replicas' model, for its tokenizer: {MODEL_HELP}")
     route.add_argument("--api-key-file", help="the replicas' key file: the router checks keys too")
     route.add_argument(
         "--tenant-secret-file",

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from prefixcache.argtypes import unit_share
+from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.tenant_secret import load_secrets
 
@@ -94,7 +95,7 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--replicas", type=int, default=2)
     cluster.add_argument("--port", type=int, default=8000, help="the router's port")
     cluster.add_argument("--host", default="127.0.0.1")
-    cluster.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    cluster.add_argument("--model", help=MODEL_HELP)
     cluster.add_argument(
         "--kv-tier",
         metavar="SPEC",

@@ -19,6 +19,7 @@ from prefixcache.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.event_flags import add_event_format_flags
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     """The ``serve`` subcommand and its options."""
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--served-model-name", help="name clients send (default: file name)")
     serve.add_argument(
         "--chat-template",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from prefixcache.cache import KVCacheManager, Namespace
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.hashing import get_hash_function, namespace_digest
+from prefixcache.model_names import MODEL_HELP
 from prefixcache.tools.request_file import (
     InputError,
     RequestSpec,
@@ -60,7 +61,7 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_BLOCK_SIZE,
         help=f"tokens per block (default {DEFAULT_BLOCK_SIZE})",
     )
-    parser.add_argument("--model", help="GGUF file or HF folder for the tokenizer (default model)")
+    parser.add_argument("--model", help=f"the model, for its tokenizer: {MODEL_HELP}")
     parser.add_argument(
         "--show-text", action="store_true", help="also print decoded text pieces and salts"
     )

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from prefixcache.model_names import MODEL_HELP
+
 
 def add_export_tokenizer_parser(commands: argparse._SubParsersAction) -> None:
     """The ``export-tokenizer`` subcommand."""
@@ -17,7 +19,7 @@ def add_export_tokenizer_parser(commands: argparse._SubParsersAction) -> None:
         "export-tokenizer", help="write the model's tokenizer as a Hugging Face folder"
     )
     export.add_argument("dir", type=Path, help="folder to write tokenizer.json and its config to")
-    export.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    export.add_argument("--model", help=MODEL_HELP)
 
 
 def run_export_tokenizer(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
+from prefixcache.model_names import MODEL_HELP
 from prefixcache.tools.request_file import InputError
 
 DTYPES = ("float64", "float32")
@@ -47,7 +48,7 @@ def add_verify_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "verify", help="run a workload with caching on and off; the tokens must be identical"
     )
-    parser.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--workload", help="JSONL requests (default: a built-in mix)")
     parser.add_argument("--requests", type=int, default=12, help="built-in workload size")
     parser.add_argument("--max-tokens", type=int, default=8, help="built-in: most per request")

@@ -1,7 +1,13 @@
-"""A Llama-family decoder (GQA, RoPE, RMSNorm, SwiGLU) whose attention uses paged KV blocks."""
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen 2.5, Qwen 3): GQA, RoPE, RMSNorm, SwiGLU.
+
+Qwen 2 adds a bias to q/k/v; Qwen 3 normalises each query and key head (QK-norm) before
+RoPE; Llama 3 divides RoPE's frequencies by the file's `rope_freqs`. Attention reads paged
+KV blocks. A plain Llama (no bias, no QK-norm) can run fused (`fused_decode.py`).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from functools import partial
 
@@ -16,14 +22,20 @@ from prefixcache.engine.fused_decode import (
     FusedWeights,
     fused_applies,
     fused_decode,
+    fused_supported,
 )
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.lone_decode import LoneDecode
+from prefixcache.engine.model_files import ModelFileError
+from prefixcache.engine.models.family import BASE_LAYER_NAMES, Family, GgufFields
 from prefixcache.engine.quant import Int4Linear, Q4Blocks, Q8Blocks, can_pack
 
 # Checkpoint tensors that carry no weights (old HF exports saved the RoPE frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+log = logging.getLogger(__name__)
+_SAID_EAGER: set[str] = set()  # architectures whose eager-only path was logged
 
 
 def _param(*shape: int, dtype: torch.dtype, device: str = "cpu") -> nn.Parameter:
@@ -64,12 +76,21 @@ class Rotary:
     """RoPE tables per position (half-rotation convention), grown on demand.
 
     `cos` is `[cos, cos]` and `sin` is `[-sin, sin]` over the head dim, so a rotation is one
-    multiply-add with the half-swapped input (`apply_rope`).
+    multiply-add with the half-swapped input (`apply_rope`). `freq_factors` (Llama 3's
+    `rope_freqs`) divide the frequencies, one per pair of dims.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        freq_factors: tuple[float, ...] = (),
+    ) -> None:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         self.inv_freq = 1.0 / (theta**exponents)
+        if freq_factors:
+            self.inv_freq = self.inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         self._build(max(max_positions, 1))
 
     def _build(self, num_positions: int) -> None:
@@ -95,7 +116,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and SwiGLU MLP, with q/k/v and gate/up fused into one matmul each."""
+    """Pre-norm attention and SwiGLU MLP, with q/k/v and gate/up fused into one matmul each.
+
+    With `attention_bias` the q/k/v projection adds `qkv_bias`; with `qk_norm` each query
+    and key head is RMS-normalised (`q_norm`, `k_norm`) before RoPE.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> None:
         super().__init__()
@@ -111,6 +136,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = param(c.hidden_size, c.intermediate_size)
         self.input_layernorm = param(c.hidden_size)
         self.post_attention_layernorm = param(c.hidden_size)
+        self.qkv_bias = param(qkv_rows) if c.attention_bias else None
+        self.q_norm = param(c.head_dim) if c.qk_norm else None
+        self.k_norm = param(c.head_dim) if c.qk_norm else None
         self.qkv: Linear = DenseLinear(self.qkv_proj)
         self.o: Linear = DenseLinear(self.o_proj)
         self.gate_up: Linear = DenseLinear(self.gate_up_proj)
@@ -164,7 +192,18 @@ class DecoderLayer(nn.Module):
         """Project, rotate, store the whole batch's K/V, then attend: `[T, heads * head_dim]`."""
         num_tokens, qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv(x)
-        qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1), *rope)
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (
+                    rms_norm(qk[:, : self.num_heads], self.q_norm, self.eps),
+                    rms_norm(qk[:, self.num_heads :], self.k_norm, self.eps),
+                ),
+                1,
+            )
+        qk = apply_rope(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
         kv_store.write(layer, k, v, metadata.slot_mapping)
@@ -193,10 +232,18 @@ class LlamaModel(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = param(config.vocab_size, config.hidden_size)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.rotary = Rotary(
+            config.head_dim,
+            config.rope_theta,
+            config.max_position_embeddings,
+            config.rope_freq_factors,
+        )
         self.head: DenseLinear | Int4Head = DenseLinear(self._head_weight())
         self.lone = LoneDecode()
         self.fused_weights: FusedWeights | None = None  # built on the first fused decode
+        if not fused_supported(config) and config.architecture not in _SAID_EAGER:
+            _SAID_EAGER.add(config.architecture)
+            log.info("%s: no fused kernel for its layers yet; the eager path runs", config.name)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
@@ -277,7 +324,7 @@ def _layer_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
     q, k, v = layer.qkv_proj.split([q_rows, kv_rows, kv_rows])
     gate, up = layer.gate_up_proj.chunk(2)
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    return {
+    targets = {
         attn + "q_proj.weight": q,
         attn + "k_proj.weight": k,
         attn + "v_proj.weight": v,
@@ -288,6 +335,13 @@ def _layer_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
         prefix + "input_layernorm.weight": layer.input_layernorm,
         prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm,
     }
+    if layer.qkv_bias is not None:
+        q_bias, k_bias, v_bias = layer.qkv_bias.split([q_rows, kv_rows, kv_rows])
+        targets |= {attn + "q_proj.bias": q_bias, attn + "k_proj.bias": k_bias}
+        targets[attn + "v_proj.bias"] = v_bias
+    if layer.q_norm is not None and layer.k_norm is not None:
+        targets |= {attn + "q_norm.weight": layer.q_norm, attn + "k_norm.weight": layer.k_norm}
+    return targets
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -328,3 +382,23 @@ def short_list(names: list[str], limit: int = 8) -> str:
     """At most ``limit`` names, then how many more."""
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _llama_fields(fields: GgufFields) -> dict[str, object]:
+    """Llama's extras: Llama 3's RoPE divisors (`rope_freqs.weight`); other scalings refused."""
+    scaling = fields.get("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ModelFileError(f"{fields.path}: RoPE scaling {scaling!r} is not supported")
+    factors = fields.vector("rope_freqs.weight")
+    return {} if factors is None else {"rope_freq_factors": tuple(map(float, factors))}
+
+
+LLAMA_LAYER_NAMES = {**BASE_LAYER_NAMES, "ffn_norm.weight": "post_attention_layernorm.weight"}
+LLAMA = Family(
+    "llama",
+    LlamaModel,
+    LLAMA_LAYER_NAMES,
+    _llama_fields,
+    permuted_qk=True,
+    consumed=frozenset({"rope_freqs.weight"}),
+)

@@ -1,0 +1,239 @@
+"""Gemma 3 (text): QK-norm, pre- and post-norms around attention and MLP, GeGLU, a scaled
+embedding, and sliding-window attention on 5 of every 6 layers with its own RoPE base.
+
+The GGUF stores each RMSNorm's multiplier `1 + w` (llama.cpp's converter adds the 1), and
+this model multiplies by it as stored. Window layers attend to the last `sliding_window`
+positions (`AttentionMetadata.windowed`); every layer still keeps its K/V in the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.engine.attention import AttentionMetadata, paged_attention
+from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.int4_head import Int4Head
+from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.model_files import ModelFileError
+from prefixcache.engine.models.family import BASE_LAYER_NAMES, QK_NORM_NAMES, Family, GgufFields
+from prefixcache.engine.models.llama import (
+    DenseLinear,
+    Linear,
+    Rotary,
+    _param,
+    apply_rope,
+    rms_norm,
+    tensor_problems,
+)
+from prefixcache.engine.quant import Q4Blocks, Q8Blocks, can_pack
+
+# llama.cpp and transformers both fix these for Gemma 3 (the GGUF does not carry them).
+SLIDING_WINDOW_PATTERN = 6  # layers 5, 11, 17, ... are full; the others window layers
+LOCAL_ROPE_THETA = 10000.0
+
+_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+class Gemma3Layer(nn.Module):
+    """One Gemma 3 block: normed attention and GeGLU MLP, each normed again before the add."""
+
+    def __init__(self, config: ModelConfig, window: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        c = config
+        param = partial(_param, dtype=dtype, device=device)
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps, self.scale, self.window = c.rms_norm_eps, c.scale, window
+        self.qkv_proj = param((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
+        self.o_proj = param(c.hidden_size, c.num_heads * c.head_dim)
+        self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
+        self.down_proj = param(c.hidden_size, c.intermediate_size)
+        for name in _NORMS:
+            setattr(self, name, param(c.hidden_size))
+        self.q_norm, self.k_norm = param(c.head_dim), param(c.head_dim)
+        self.qkv: Linear = DenseLinear(self.qkv_proj)
+        self.o: Linear = DenseLinear(self.o_proj)
+        self.gate_up: Linear = DenseLinear(self.gate_up_proj)
+        self.down: Linear = DenseLinear(self.down_proj)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+        layer: int,
+    ) -> torch.Tensor:
+        """Update the residual stream `h` `[T, hidden]` in place and return it."""
+        x = rms_norm(h, self.input_layernorm, self.eps)
+        attn = self.o(self._attention(x, rope, metadata, kv_store, layer))
+        h += rms_norm(attn, self.post_attention_layernorm, self.eps)
+        x = rms_norm(h, self.pre_feedforward_layernorm, self.eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        mlp = self.down(F.gelu(gate, approximate="tanh").mul_(up))
+        h += rms_norm(mlp, self.post_feedforward_layernorm, self.eps)
+        return h
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+        layer: int,
+    ) -> torch.Tensor:
+        """QK-normed, rotated attention over the layer's window (or all context)."""
+        num_tokens, qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv(x)
+        qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1)
+        q = apply_rope(rms_norm(qk[:, : self.num_heads], self.q_norm, self.eps), *rope)
+        k = apply_rope(rms_norm(qk[:, self.num_heads :], self.k_norm, self.eps), *rope)
+        v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
+        kv_store.write(layer, k, v, metadata.slot_mapping)
+        seen = metadata.windowed(self.window)
+        out = paged_attention(q.contiguous(), kv_store.layers[layer], seen, self.scale, k, v)
+        return out.reshape(num_tokens, -1)
+
+
+class Gemma3Model(nn.Module):
+    """The decoder stack; `forward` returns final-normed hidden states, `compute_logits` the
+    logits from the tied embedding."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        param = partial(_param, dtype=dtype, device=device)
+        self.embed_tokens = param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3Layer(config, config.sliding_window * config.is_window_layer(i), dtype, device)
+            for i in range(config.num_layers)
+        )
+        self.norm = param(config.hidden_size)
+        positions = config.max_position_embeddings
+        factors = config.rope_freq_factors
+        self.rotary = Rotary(config.head_dim, config.rope_theta, positions, factors)
+        self.local_rotary = Rotary(config.head_dim, config.rope_local_theta, positions)
+        self.head: DenseLinear | Int4Head = DenseLinear(self.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+        fused: bool = True,
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm."""
+        h = F.embedding(input_ids, self.embed_tokens) * self.config.embedding_scale
+        full = self.rotary(positions, self.dtype)
+        local = self.local_rotary(positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, local if layer.window else full, metadata, kv_store, i)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[N, vocab]` for the rows of `hidden` that need them."""
+        return self.head(hidden)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy the HF-named tensors in; ValueError lists every mismatch first."""
+        targets = self.weight_targets()
+        problems = tensor_problems({n: tuple(t.shape) for n, t in targets.items()}, state_dict)
+        if problems:
+            raise ValueError("cannot load weights: " + "; ".join(problems))
+        with torch.no_grad():
+            for name, target in targets.items():
+                target.copy_(torch.as_tensor(state_dict[name]))
+
+    def quantize(self, blocks: Mapping[str, Q4Blocks | Q8Blocks]) -> list[str]:
+        """After `load_weights`: the tied head on its int4 planes (exact at the argmax)."""
+        head = blocks.get("model.embed_tokens.weight")
+        if head is None or self.dtype != torch.float32 or not can_pack(head.codes.shape):
+            return []
+        self.head = Int4Head(head, self.embed_tokens.detach())
+        return ["model.embed_tokens.weight"]
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the (view of the) parameter it fills."""
+        targets = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        for i, layer in enumerate(self.layers):
+            targets.update(_layer_targets(f"model.layers.{i}.", layer))
+        return targets
+
+
+def _layer_targets(prefix: str, layer: Gemma3Layer) -> dict[str, torch.Tensor]:
+    """One layer's HF names; q/k/v and gate/up map onto slices of the fused weights."""
+    q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    q, k, v = layer.qkv_proj.split([q_rows, kv_rows, kv_rows])
+    gate, up = layer.gate_up_proj.chunk(2)
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    targets = {
+        attn + "q_proj.weight": q,
+        attn + "k_proj.weight": k,
+        attn + "v_proj.weight": v,
+        attn + "o_proj.weight": layer.o_proj,
+        attn + "q_norm.weight": layer.q_norm,
+        attn + "k_norm.weight": layer.k_norm,
+        mlp + "gate_proj.weight": gate,
+        mlp + "up_proj.weight": up,
+        mlp + "down_proj.weight": layer.down_proj,
+    }
+    return targets | {f"{prefix}{name}.weight": getattr(layer, name) for name in _NORMS}
+
+
+def _gemma3_fields(fields: GgufFields) -> dict[str, object]:
+    """Window, RoPE bases, embedding scale; a linear RoPE scaling applies to full layers."""
+    window = fields.number("attention.sliding_window")
+    hidden, head_dim = fields.number("embedding_length"), fields.number("attention.key_length")
+    extra: dict[str, object] = {
+        "qk_norm": True,
+        "sliding_window": window,
+        "window_layers": window_layers(fields),
+        "rope_local_theta": LOCAL_ROPE_THETA,
+        "embedding_scale": float(hidden) ** 0.5,
+    }
+    scaling = fields.get("rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = float(fields.number("rope.scaling.factor", float))
+        extra["rope_freq_factors"] = (factor,) * (head_dim // 2)
+    elif scaling != "none":
+        raise ModelFileError(f"{fields.path}: RoPE scaling {scaling!r} is not supported")
+    return extra
+
+
+def window_layers(fields: GgufFields) -> tuple[bool, ...]:
+    """Which layers are window layers: the file's pattern (a period N: every Nth layer is
+    full; or one flag per layer), else Gemma 3's period of 6."""
+    layers = fields.number("block_count")
+    pattern = fields.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, list) and len(pattern) == layers:
+        return tuple(bool(flag) for flag in pattern)
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        return tuple(i % pattern < pattern - 1 for i in range(layers))
+    raise ModelFileError(
+        f"{fields.path}: attention.sliding_window_pattern must be a period >= 1 or "
+        f"{layers} flags, got {str(pattern)[:80]}"
+    )
+
+
+_GEMMA3_NAMES = {
+    **BASE_LAYER_NAMES,
+    **QK_NORM_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+GEMMA3 = Family("gemma3", Gemma3Model, _GEMMA3_NAMES, _gemma3_fields)
