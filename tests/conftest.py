@@ -89,6 +89,7 @@ SLOW_FILES = (
     "test_gemma3.py", "test_weights.py", "test_quantized.py", "test_audit.py", "test_access_log.py",
     "test_messages_tools_default_model.py", "test_prepare_process.py",
     "test_openai_cache_controls.py", "test_fuzz_api.py", "test_server_hardening.py",
+    "test_gguf_tokenizers.py", "test_chat_templates.py",
 )  # fmt: skip
 
 

@@ -148,3 +148,23 @@ def test_cached_prefix_longer_than_the_window_gives_the_same_tokens(gemma, text_
             assert engine.manager.stats.hits - hits_before >= 2 * 592
         assert_pool_clean(engine)
     assert results[0] == results[1]
+
+
+def test_base_model_serves_completions_and_refuses_chat_naming_the_flag(served: str) -> None:
+    """The file has no chat template (a base model): completions work; each chat API answers
+    400 in its own shape, naming --chat-template FILE."""
+    body = {"model": "gemma-3-270m", "prompt": "The capital of France is", "max_tokens": 3}
+    assert httpx.post(f"{served}/v1/completions", json=body, timeout=120).status_code == 200
+    hi = [{"role": "user", "content": "hi"}]
+    chats = {
+        "chat/completions": {"model": "gemma-3-270m", "messages": hi},
+        "messages": {"model": "gemma-3-270m", "max_tokens": 3, "messages": hi},
+        "responses": {"model": "gemma-3-270m", "input": "hi"},
+    }
+    for path, chat in chats.items():
+        reply = httpx.post(f"{served}/v1/{path}", json=chat, timeout=120)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert "no chat template" in error["message"], path
+        assert "--chat-template FILE" in error["message"], path
+        assert ("type" in reply.json()) == (path == "messages")  # Anthropic's shape there

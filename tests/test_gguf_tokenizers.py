@@ -427,6 +427,9 @@ def test_space_prefix_follows_llama_cpp_where_transformers_differs(
             assert hf.encode(text, add_special_tokens=False) != ours.encode(text)
         else:
             assert hf.encode(text, add_special_tokens=False) == ours.encode(text)
+    if vocab.add_space_prefix:  # decoding: llama-server's pieces keep the prefix space,
+        ids = ours.encode("x")  # transformers strips it
+        assert (ours.decode(ids), hf.decode(ids)) == (" x", "x")
 
 
 def test_tiny_spm_decodes_and_streams(spm: tuple[Path, Tokenizer, Vocab]) -> None:

@@ -38,26 +38,24 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Each `tokenizer.ggml.pre` value with the regexes llama.cpp splits by, in order (each one
-# splits the pieces the one before left), and whether a piece that is itself a vocabulary
-# entry is taken whole before any merge (llama.cpp's `ignore_merges`).
-_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
+# `tokenizer.ggml.pre` values by how llama.cpp splits their text before merging.
+_GPT2_NAMES = frozenset(("gpt-2", "phi-2", "roberta-bpe", "mpt", "olmo", "jais"))
+_DIGIT_NAMES = frozenset(  # every digit apart, then GPT-2's regex
+    ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+)
+_REGEXES = {  # the regexes in order, each splitting the pieces the one before left
     # llama.cpp's "default" (also what a file without the key gets): punctuation runs apart,
     # then GPT-2's regex, then digit runs, then digits in threes.
-    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"), False),
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"),
     **dict.fromkeys(
-        ("gpt-2", "phi-2", "roberta-bpe", "mpt", "olmo", "jais"), ((_GPT2_SPLIT,), False)
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), (_LLAMA3_SPLIT,)
     ),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3"), ((_LLAMA3_SPLIT,), True)),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), ((_LLAMA3_SPLIT,), False)),
-    **dict.fromkeys(("qwen2", "stablelm2", "megrez", "deepseek-r1-qwen"), ((_QWEN2_SPLIT,), False)),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-        ((r"\p{N}", _GPT2_SPLIT), False),
-    ),
+    **dict.fromkeys(("qwen2", "stablelm2", "megrez", "deepseek-r1-qwen"), (_QWEN2_SPLIT,)),
 }  # fmt: skip
-SUPPORTED_PRE = tuple(sorted(_SPLITS))
-_BOS_BY_DEFAULT = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3"))  # llama.cpp's
+# Names whose pieces that are vocabulary entries are taken whole, unmerged (`ignore_merges`);
+# llama.cpp also adds BOS for them when the file does not say.
+_WHOLE_WORDS = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3"))
+SUPPORTED_PRE = tuple(sorted(_GPT2_NAMES | _DIGIT_NAMES | _REGEXES.keys()))
 SUPPORTED_MODELS = ("gpt2", "llama")
 
 # llama.cpp's defaults for a SentencePiece file that leaves a key out.
@@ -85,11 +83,11 @@ def with_defaults(meta: Mapping[str, Any]) -> dict[str, Any]:
     if kind == "llama":
         return {**_SPM_DEFAULTS, **meta}
     pre = meta.get("tokenizer.ggml.pre") or "default"
-    if pre not in _SPLITS:
+    if pre not in SUPPORTED_PRE:
         raise ValueError(
             f"tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(SUPPORTED_PRE)})"
         )
-    defaults = {"tokenizer.ggml.add_bos_token": True} if pre in _BOS_BY_DEFAULT else {}
+    defaults = {"tokenizer.ggml.add_bos_token": True} if pre in _WHOLE_WORDS else {}
     return {**defaults, **meta, "tokenizer.ggml.pre": pre}
 
 
@@ -117,13 +115,24 @@ def _byte_level(meta: Mapping[str, Any]) -> Backend:
         for i, t in enumerate(_token_texts(meta))
     }
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
-    regexes, whole_words = _SPLITS[meta["tokenizer.ggml.pre"]]
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=whole_words))
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-    raw = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, raw])
+    pre = meta["tokenizer.ggml.pre"]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _WHOLE_WORDS))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """llama.cpp's splitting for ``pre``, then the bytes spelled (GPT-2's regex and the digit
+    split use `tokenizers`' own equivalents: one pass instead of two, twice as fast)."""
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_NAMES:
+        return gpt2
+    if pre in _DIGIT_NAMES:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _REGEXES[pre]]
+    raw = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return pre_tokenizers.Sequence([*splits, raw])
 
 
 def _sentencepiece(meta: Mapping[str, Any]) -> Backend:

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders
 
+from prefixcache.engine import chat_template as templates
 from prefixcache.engine import gguf_vocab
 
 # Texts of special tokens that end a turn in common chat formats; llama.cpp stops on these too.
@@ -137,21 +135,37 @@ class Tokenizer:
         tools: list[dict] | None = None,
     ) -> str:
         """The conversation as the model's chat template writes it (as transformers renders it);
-        ``tools`` (OpenAI function tools) go to a template that has a tool section."""
+        ``tools`` (OpenAI function tools) go to a template that has a tool section.
+
+        NoChatTemplate if there is none; TemplateFailed (one line) if the template fails, is
+        refused by the sandbox or goes past a bound (``engine/chat_template.py``)."""
         _check_messages(messages)
+        context = {
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            **({"tools": tools} if tools else {}),
+            **self.special_tokens,
+        }
+        return templates.render(self._compiled_template(), context)
+
+    def use_chat_template(self, source: str) -> None:
+        """Render with ``source`` from now on (``--chat-template``), once it passes the check."""
+        compiled = templates.compile_template(source)
+        templates.check_template(compiled, self.special_tokens)
+        self.chat_template, self._template = source, compiled
+
+    def check_chat_template(self) -> None:
+        """TemplateFailed unless the template renders a sample conversation within bounds
+        (nothing to check without a template: chat is then refused per request)."""
+        if self.chat_template:
+            templates.check_template(self._compiled_template(), self.special_tokens)
+
+    def _compiled_template(self) -> jinja2.Template:
         if self._template is None:
             if not self.chat_template:
-                raise ValueError("this tokenizer has no chat template")
-            self._template = _compile_template(self.chat_template)
-        try:
-            return self._template.render(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **({"tools": tools} if tools else {}),
-                **self.special_tokens,
-            )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+                raise templates.NoChatTemplate()
+            self._template = templates.compile_template(self.chat_template)
+        return self._template
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation (the template writes any BOS itself)."""
@@ -290,31 +304,3 @@ def _check_messages(messages: object) -> None:
                 raise ValueError(f"messages[{i}][{key!r}] must be a str, not {kind}")
         if not message["role"]:
             raise ValueError(f"messages[{i}]['role'] is empty")
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox with transformers' helpers."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """JSON without Jinja's HTML escaping, as transformers' templates expect."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )

@@ -46,6 +46,11 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--served-model-name", help="name clients send (default: file name)")
+    serve.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template to use instead of the model's own (a base model has none)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     size = serve.add_mutually_exclusive_group()
@@ -210,6 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
             else Tenants(None, current, previous_secret=previous)
         )
         loaded = load_model(args.model) if args.dequantize else serving_model(args)
+        install_chat_template(loaded, args.chat_template)
         engine = LLMEngine(
             loaded,
             EngineConfig(
@@ -294,6 +300,26 @@ def _serve_until_stopped(
         app, args.host, args.port, args.shutdown_timeout, hard_deadline=True
     )
     return uvicorn_server.run_until_stopped()
+
+
+def install_chat_template(loaded: LoadedModel, path: str | None) -> None:
+    """``--chat-template FILE`` in place of the model's own template; either one rendered
+    once on a sample conversation. ValueError of one line naming the file otherwise."""
+    tokenizer = loaded.tokenizer
+    if path is None:
+        try:
+            tokenizer.check_chat_template()
+        except ValueError as error:
+            raise ValueError(f"{loaded.source}: {error}; pass --chat-template FILE") from None
+        return
+    try:
+        source = Path(path).read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--chat-template {path}: cannot read it ({error})") from None
+    try:
+        tokenizer.use_chat_template(source)
+    except ValueError as error:
+        raise ValueError(f"--chat-template {path}: {error}") from None
 
 
 def serving_model(args: argparse.Namespace) -> LoadedModel:

@@ -32,6 +32,7 @@ from prefixcache.server.prepare import (
     check_tokens,
     compiled,
     parse_body,
+    template_text,
     too_many_chars,
     tool_rules,
 )
@@ -94,10 +95,7 @@ def render(
 def _template(
     tokenizer: Tokenizer, turns: list[Turn], tools: list[FunctionDef], suffix: str = ""
 ) -> str:
-    try:
-        return tool_prompt.render(tokenizer, turns, tools, suffix)
-    except ValueError as error:
-        raise ApiError(400, f"messages: {error}", "messages") from None
+    return template_text(lambda: tool_prompt.render(tokenizer, turns, tools, suffix), "messages")
 
 
 def _cuts(marks: list[Breakpoint], turn: int) -> list[int]:

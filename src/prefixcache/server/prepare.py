@@ -8,11 +8,13 @@ Errors are ApiErrors naming the field and the limit.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
 from prefixcache.cache.retention import Keep
+from prefixcache.engine.chat_template import NoChatTemplate
 from prefixcache.engine.grammar import grammar_cache
 from prefixcache.engine.sampling_params import SamplingParams, fold_seed
 from prefixcache.engine.tokenizer import Tokenizer
@@ -114,13 +116,21 @@ def render_prompt(
     chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
     if chars > ctx.max_prompt_chars:
         raise ApiError(400, too_many_chars(field, chars, ctx), field)
-    try:
-        text = tool_prompt.render(ctx.tokenizer, turns, tools)
-    except ValueError as error:
-        raise ApiError(400, f"{field}: {error}", field) from None
+    text = template_text(lambda: tool_prompt.render(ctx.tokenizer, turns, tools), field)
     prompt = ctx.tokenizer.encode(text)
     check_tokens([prompt], ctx, field)
     return prompt
+
+
+def template_text(render: Callable[[], str], field: str) -> str:
+    """What ``render`` returns; a 400 if the model has no chat template (naming
+    ``--chat-template``) or the template fails (naming ``field``)."""
+    try:
+        return render()
+    except NoChatTemplate as error:
+        raise ApiError(400, str(error)) from None
+    except ValueError as error:
+        raise ApiError(400, f"{field}: {error}", field) from None
 
 
 def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
