@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+import tokenize_peers
 from llama_server import ensure_built
 from servers import free_port, interrupt
 
@@ -57,14 +58,6 @@ SHORT_PROMPTS = (  # each seen once per server: nothing cached
     "Water boils at a temperature of",
     "The quick brown fox jumps over",
     "My favourite season of the year is",
-)
-TOKENIZER_TEXTS = (  # multilingual prose, code, emoji, whitespace runs, digits
-    "The quick brown fox jumps over the lazy dog. 1234567 + 89 = 1234656",
-    "Größenwahn, naïve café; Ελληνικά κείμενα; Русский текст; "
-    "日本語のテキスト; 中文文本\uff1b한국어",
-    "def f(x):\n\tif x  >  0:\n        return x ** 2   # square\n\n\n    return -x",
-    "emoji 🤖🚀 and flags 🇫🇷🇯🇵, zero-width\u200bjoin, tabs\t\tand   spaces   ",
-    '<html><body class="main">&nbsp;¡Hola! ¿Qué tal?</body></html>\r\n',
 )
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 2000
@@ -174,11 +167,12 @@ def complete(client: httpx.Client, server: Server, prompt: list[int], tokens: in
         if reply.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.read()[:300]!r}")
         for line in reply.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("text"):
-                    last = time.perf_counter()
-                    first = first or last
+            # any chunk with a choice carries a token: one whose text is held back or
+            # skipped (a special token, half a character) still counts, in time
+            data = line.startswith("data: ") and line != "data: [DONE]"
+            if data and json.loads(line[6:]).get("choices"):
+                last = time.perf_counter()
+                first = first or last
     if first is None:
         raise RuntimeError(f"{url}: no tokens came back")
     return {"ttft": first - began, "total": last - began, "decode": last - first}
@@ -286,16 +280,6 @@ def model_prompts(tokenizer) -> Prompts:
     )
 
 
-def tokenizer_agreement(binary: Path, model: Path, tokenizer, threads: int) -> str:
-    """How many of `TOKENIZER_TEXTS` tokenize to the same ids here and in llama-server."""
-    same = 0
-    with Server(Peer(llama_server(binary, model, threads))) as server:
-        for text in TOKENIZER_TEXTS:
-            reply = httpx.post(f"{server.url}/tokenize", json={"content": text}, timeout=60)
-            same += reply.json()["tokens"] == tokenizer.encode(text)
-    return f"  token ids equal to llama-server's /tokenize: {same} of {len(TOKENIZER_TEXTS)} texts"
-
-
 def compare(model: Path, threads: int, peer_python: Path) -> None:
     """Every case on every server for one model file: the table and what caching buys."""
     from prefixcache.engine.model_files import load_tokenizer
@@ -310,7 +294,7 @@ def compare(model: Path, threads: int, peer_python: Path) -> None:
         start = llama_cpp_python(peer_python, model, threads)
         servers["llama-cpp-python"] = Peer(start, "/v1/models", tokenizer.decode)
     print(f"\n{model.name}, {threads} threads, one run")
-    print(tokenizer_agreement(ensure_built(), model, tokenizer, threads))
+    tokenize_peers.compare(ensure_built(), model)  # token ids against llama-server's
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results = {name: measure(peer, prompts) for name, peer in servers.items()}
     print("\n".join(table(results)))
