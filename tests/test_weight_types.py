@@ -108,6 +108,9 @@ def test_matmul_split_over_two_threads(native: None, name: str) -> None:
         generator = torch.Generator().manual_seed(10)
         for rows in (1, 8, 20, 48):
             assert_matmul_within_bound(weight, torch.randn(rows, 512, generator=generator))
+        with torch.inference_mode():  # as the model runs it: each worker thread must be too
+            x = torch.randn(200, 512, generator=generator)
+            assert_matmul_within_bound(weight, x)
     finally:
         torch.set_num_threads(threads)
 

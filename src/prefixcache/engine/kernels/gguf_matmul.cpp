@@ -13,6 +13,7 @@
 //     buffer that stays in cache and multiplied by sgemm (at::mm).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -186,11 +187,14 @@ void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
 // One parallel region: each thread takes whole tiles of output rows, decodes each into its own
 // buffer (which stays in its L2) and multiplies it by sgemm, single-threaded inside the region.
 // (Tile by tile with the threads joining twice per tile was 10x slower on a busy machine:
-// every join waits for the other thread's next time slice.)
+// every join waits for the other thread's next time slice.) InferenceMode is per thread: each
+// worker takes the caller's, or its sgemm into `y` (an inference tensor) would be refused.
 void prefill_matmul(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
   const int64_t tile = std::clamp<int64_t>(kTileBytes / (4 * w.in), 16, w.rows);
   const int64_t tiles = (w.rows + tile - 1) / tile;
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
+    c10::InferenceMode guard(inference);
     at::Tensor buffer = at::empty({tile, w.in}, x.options());
     for (int64_t t = first_tile; t < last_tile; ++t) {
       const int64_t first = t * tile, count = std::min(tile, w.rows - first);
