@@ -26,9 +26,10 @@ from prefixcache.engine.models.llama import (
     Rotary,
     _param,
     apply_rope,
+    copy_weights,
+    projection_targets,
     quantize_projections,
     rms_norm,
-    tensor_problems,
 )
 from prefixcache.engine.weight_types import PackedWeight
 from prefixcache.engine.weight_types.linear import PackedLinear
@@ -152,13 +153,7 @@ class Gemma3Model(nn.Module):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy the HF-named tensors in; ValueError lists every mismatch first."""
-        targets = self.weight_targets()
-        problems = tensor_problems({n: tuple(t.shape) for n, t in targets.items()}, state_dict)
-        if problems:
-            raise ValueError("cannot load weights: " + "; ".join(problems))
-        with torch.no_grad():
-            for name, target in targets.items():
-                target.copy_(torch.as_tensor(state_dict[name]))
+        copy_weights(self.weight_targets(), state_dict)
 
     def quantize(self, blocks: Mapping[str, PackedWeight]) -> list[str]:
         """After `load_weights`: every projection on its file's blocks, and the tied
@@ -191,22 +186,8 @@ class Gemma3Model(nn.Module):
 
 
 def _layer_targets(prefix: str, layer: Gemma3Layer) -> dict[str, torch.Tensor]:
-    """One layer's HF names; q/k/v and gate/up map onto slices of the fused weights."""
-    q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    q, k, v = layer.qkv_proj.split([q_rows, kv_rows, kv_rows])
-    gate, up = layer.gate_up_proj.chunk(2)
-    attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    targets = {
-        attn + "q_proj.weight": q,
-        attn + "k_proj.weight": k,
-        attn + "v_proj.weight": v,
-        attn + "o_proj.weight": layer.o_proj,
-        attn + "q_norm.weight": layer.q_norm,
-        attn + "k_norm.weight": layer.k_norm,
-        mlp + "gate_proj.weight": gate,
-        mlp + "up_proj.weight": up,
-        mlp + "down_proj.weight": layer.down_proj,
-    }
+    """One layer's HF names: the projections and QK-norms, then the four norms."""
+    targets = projection_targets(prefix, layer)
     return targets | {f"{prefix}{name}.weight": getattr(layer, name) for name in _NORMS}
 
 

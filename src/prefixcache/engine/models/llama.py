@@ -306,14 +306,7 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face Llama-named tensors in; ValueError lists every mismatch first."""
-        targets = self.weight_targets()
-        shapes = {name: tuple(target.shape) for name, target in targets.items()}
-        problems = tensor_problems(shapes, state_dict)
-        if problems:
-            raise ValueError("cannot load weights: " + "; ".join(problems))
-        with torch.no_grad():
-            for name, target in targets.items():
-                target.copy_(torch.as_tensor(state_dict[name]))
+        copy_weights(self.weight_targets(), state_dict)
 
     def quantize(self, blocks: Mapping[str, Blocks]) -> list[str]:
         """After `load_weights`: run what `blocks` (HF names) cover on their file's blocks.
@@ -349,10 +342,22 @@ class LlamaModel(nn.Module):
 
 
 def _layer_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
-    """One layer's HF names, with q/k/v and gate/up mapped onto slices of the fused weights."""
-    q_rows = layer.num_heads * layer.head_dim
-    kv_rows = layer.num_kv_heads * layer.head_dim
-    q, k, v = layer.qkv_proj.split([q_rows, kv_rows, kv_rows])
+    """One layer's HF names: the projections, the norms, the q/k/v biases if any."""
+    targets = projection_targets(prefix, layer)
+    targets[prefix + "input_layernorm.weight"] = layer.input_layernorm
+    targets[prefix + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+    if layer.qkv_bias is not None:
+        q_bias, k_bias, v_bias = layer.qkv_bias.split(_qkv_rows(layer))
+        attn = prefix + "self_attn."
+        targets |= {attn + "q_proj.bias": q_bias, attn + "k_proj.bias": k_bias}
+        targets[attn + "v_proj.bias"] = v_bias
+    return targets
+
+
+def projection_targets(prefix: str, layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's projections by HF name, q/k/v and gate/up as slices of the fused weights,
+    and its QK-norms if it has them (every family here fuses them the same way)."""
+    q, k, v = layer.qkv_proj.split(_qkv_rows(layer))
     gate, up = layer.gate_up_proj.chunk(2)
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     targets = {
@@ -363,16 +368,28 @@ def _layer_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
         mlp + "gate_proj.weight": gate,
         mlp + "up_proj.weight": up,
         mlp + "down_proj.weight": layer.down_proj,
-        prefix + "input_layernorm.weight": layer.input_layernorm,
-        prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm,
     }
-    if layer.qkv_bias is not None:
-        q_bias, k_bias, v_bias = layer.qkv_bias.split([q_rows, kv_rows, kv_rows])
-        targets |= {attn + "q_proj.bias": q_bias, attn + "k_proj.bias": k_bias}
-        targets[attn + "v_proj.bias"] = v_bias
     if layer.q_norm is not None and layer.k_norm is not None:
         targets |= {attn + "q_norm.weight": layer.q_norm, attn + "k_norm.weight": layer.k_norm}
     return targets
+
+
+def _qkv_rows(layer: nn.Module) -> list[int]:
+    """Rows of q, k and v in the fused projection."""
+    kv_rows = layer.num_kv_heads * layer.head_dim
+    return [layer.num_heads * layer.head_dim, kv_rows, kv_rows]
+
+
+def copy_weights(
+    targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy each HF-named tensor into its target; ValueError listing every mismatch first."""
+    problems = tensor_problems({n: tuple(t.shape) for n, t in targets.items()}, state_dict)
+    if problems:
+        raise ValueError("cannot load weights: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(torch.as_tensor(state_dict[name]))
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
