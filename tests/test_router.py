@@ -244,6 +244,7 @@ class Load:
         self.client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
         self.pool = ThreadPoolExecutor(16)
         self.started: dict[int, str] = {}  # stream id -> replica, once its first event arrived
+        self.events: dict[int, int] = {}  # stream id -> events received while it runs
         self.lock = threading.Lock()
 
     def whole(self, body: dict):
@@ -259,10 +260,20 @@ class Load:
                 chunks.append(chunk)
                 with self.lock:
                     self.started[number] = response.headers[REPLICA_HEADER]
+                    self.events[number] = self.events.get(number, 0) + chunk.count("data: ")
+            with self.lock:
+                self.events.pop(number, None)  # done
             return (
                 response.status_code,
                 response.headers[REPLICA_HEADER],
                 sse_events("".join(chunks)),
+            )
+
+    def running_early(self, replica: str, limit: int) -> bool:
+        """Whether a stream on `replica` is running with fewer than `limit` events so far."""
+        with self.lock:
+            return any(
+                self.started[n] == replica and count < limit for n, count in self.events.items()
             )
 
     def close(self) -> None:
@@ -291,8 +302,10 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
             # Fresh documents, so cache-aware spreads them by load: both replicas get some.
             wholes = [load.whole(chat(f"fox{i}", "Go on.", **long)) for i in range(4)]
             streams = [load.stream(chat(f"gnu{i}", "Go on.", **long), i) for i in range(4)]
-            wait_until(lambda: victim.url in load.started.values(), what="a stream on the victim")
             wait_until(lambda: state.fleet.replicas[victim.url].in_flight >= 3, what="victim load")
+            # A stream on the victim with most of its 300 tokens still to come, checked last:
+            # under a loaded machine's scheduling a stream could finish during the wait above.
+            wait_until(lambda: load.running_early(victim.url, 150), what="a stream on the victim")
             victim.kill()
             after = [load.whole(chat(f"hen{i}", "Now?")) for i in range(4)]
             results = [f.result() for f in wholes + after]
