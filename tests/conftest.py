@@ -83,13 +83,13 @@ QUICK_FILES = frozenset(
 # (--no-loadscope-reorder). These files take longest (measured under xdist, longest first):
 # they start first, so the run does not end with one worker alone on a long file.
 SLOW_FILES = (
-    "test_ray_serve.py", "test_stateful.py", "test_router.py", "test_cluster_command.py",
-    "test_router_key_affinity.py", "test_router_apis.py", "test_cache_events.py",
-    "test_kv_events_serve.py", "test_policy.py", "test_router_hardening.py",
-    "test_gemma3.py", "test_weights.py", "test_quantized.py", "test_audit.py", "test_access_log.py",
-    "test_messages_tools_default_model.py", "test_prepare_process.py",
+    "test_ray_serve.py", "test_gemma3.py", "test_stop_signals.py", "test_stateful.py",
+    "test_gguf_tokenizers.py", "test_chat_templates.py", "test_router.py",
+    "test_cluster_command.py", "test_router_key_affinity.py", "test_router_apis.py",
+    "test_cache_events.py", "test_kv_events_serve.py", "test_policy.py",
+    "test_router_hardening.py", "test_weights.py", "test_quantized.py", "test_audit.py",
+    "test_access_log.py", "test_messages_tools_default_model.py", "test_prepare_process.py",
     "test_openai_cache_controls.py", "test_fuzz_api.py", "test_server_hardening.py",
-    "test_gguf_tokenizers.py", "test_chat_templates.py",
 )  # fmt: skip
 
 
