@@ -87,11 +87,6 @@ class Q8Blocks:
         return Q4Blocks(torch.cat((hi, lo)).to(torch.uint8), scales, mins)
 
 
-def is_q8(tensor_type: int) -> bool:
-    """Whether a GGML tensor type is Q8_0."""
-    return int(tensor_type) == _Q8_0
-
-
 def as_q4_blocks(packed: PackedWeight) -> Q4Blocks | None:
     """A Q4_0/Q4_1 `PackedWeight` as `Q4Blocks` (torch's int4 kernel); None for other types."""
     if not is_q4(packed.wtype.code):

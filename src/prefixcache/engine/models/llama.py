@@ -392,12 +392,6 @@ def copy_weights(
             target.copy_(torch.as_tensor(state_dict[name]))
 
 
-def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor a checkpoint for ``config`` holds, with its shape (from the model)."""
-    targets = LlamaModel(config, device="meta").weight_targets()
-    return {name: tuple(target.shape) for name, target in targets.items()}
-
-
 def tensor_problems(
     expected: Mapping[str, tuple[int, ...]], state_dict: Mapping[str, torch.Tensor]
 ) -> list[str]:
