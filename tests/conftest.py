@@ -79,18 +79,41 @@ QUICK_FILES = frozenset(
 )  # fmt: skip
 
 
-# `make test` runs whole files on two pytest-xdist workers, in collection order
-# (--no-loadscope-reorder). These files take longest (measured under xdist, longest first):
-# they start first, so the run does not end with one worker alone on a long file.
+# `make test` runs whole files on two pytest-xdist workers (--dist loadfile, GROUPS of files
+# as one), in collection order (--no-loadscope-reorder). These files take
+# longest (measured under xdist, longest first): they start first, so the run does not end
+# with one worker alone on a long file.
 SLOW_FILES = (
-    "test_ray_serve.py", "test_gemma3.py", "test_stop_signals.py", "test_stateful.py",
-    "test_gguf_tokenizers.py", "test_chat_templates.py", "test_router.py",
+    "test_ray_serve.py", "test_gemma3.py", "test_gguf_tokenizers.py", "test_weight_types.py",
+    "test_chat_templates.py", "test_stop_signals.py", "test_stateful.py", "test_router.py",
     "test_cluster_command.py", "test_router_key_affinity.py", "test_router_apis.py",
     "test_cache_events.py", "test_kv_events_serve.py", "test_policy.py",
     "test_router_hardening.py", "test_weights.py", "test_quantized.py", "test_audit.py",
     "test_access_log.py", "test_messages_tools_default_model.py", "test_prepare_process.py",
     "test_openai_cache_controls.py", "test_fuzz_api.py", "test_server_hardening.py",
 )  # fmt: skip
+
+# Files that share one worker: the real Gemma 3 file's gguf-py parse (~8 s), our tokenizer of
+# it (~4 s) and transformers' are cached per process (gemma_fixtures.py, hf_fixtures.py).
+GROUPS = dict.fromkeys(
+    ("test_gemma3.py", "test_gguf_tokenizers.py", "test_weight_types.py", "test_chat_templates.py"),
+    "gemma-file",
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """--dist loadfile, with each of ``GROUPS`` one unit of work (xdist's own loadgroup sets
+    a node id attribute pytest 9 no longer reads)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return GROUPS.get(Path(file).name, file)
+
+    return FileGroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from engine_fixtures import default_tokenizer, random_state_dict, tiny_config
-from gemma_fixtures import gemma_file
+from gemma_fixtures import gemma_tokenizer
 from prefixcache.engine.chat_template import (
     MAX_RANGE,
     MAX_TEMPLATE_CHARS,
@@ -161,7 +161,7 @@ def test_a_gguf_without_template_has_no_chat(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def gemma_context() -> PrepareContext:
     """Request preparation on Gemma 3 270M's real vocabulary (a base model: no template)."""
-    tokenizer = load_tokenizer(gemma_file())
+    tokenizer = gemma_tokenizer()
     return PrepareContext(tokenizer, "gemma", 2048, tokenizer.vocab_size, 2048 * 64)
 
 

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from engine_fixtures import assert_pool_clean, run_to_completion
+from gemma_fixtures import gemma_file
 from hf_fixtures import transformers_gguf_once
 from prefixcache.engine.engine import EngineConfig, LLMEngine
-from prefixcache.engine.model_files import model_source
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.weights import LoadedModel, load_model
 from prefixcache.protocol.auth import Tenants
@@ -47,7 +47,7 @@ PROMPTS = (
 
 @pytest.fixture(scope="module")
 def gemma() -> LoadedModel:
-    return load_model(model_source("gemma3-270m"))
+    return load_model(gemma_file())  # the path test_weight_types and the tokenizers read
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ import gguf
 import pytest
 import regex
 
-from gemma_fixtures import gemma_file
-from hf_fixtures import transformers_gguf_once
+from gemma_fixtures import gemma_file, gemma_tokenizer
+from hf_fixtures import gguf_reader, transformers_gguf_once
 from prefixcache.engine.gguf_vocab import bytes_to_unicode
 from prefixcache.engine.model_files import ModelFileError, load_tokenizer
 from prefixcache.engine.tokenizer import Tokenizer
@@ -350,8 +350,8 @@ def metadata_arch(path: Path) -> str:
     return gguf.GGUFReader(path).fields["general.architecture"].contents()
 
 
-def metadata(path: Path) -> dict:
-    reader = gguf.GGUFReader(path)
+def metadata(path: Path, reader: gguf.GGUFReader | None = None) -> dict:
+    reader = reader or gguf.GGUFReader(path)
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
 
@@ -450,7 +450,7 @@ def test_tiny_spm_decodes_and_streams(spm: tuple[Path, Tokenizer, Vocab]) -> Non
 
 @pytest.fixture(scope="module")
 def gemma() -> Tokenizer:
-    return load_tokenizer(gemma_file())
+    return gemma_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +473,7 @@ def test_gemma_ids_match_transformers(gemma: Tokenizer, gemma_hf: PreTrainedToke
 
 
 def test_gemma_ids_match_llama_cpp_algorithm(gemma: Tokenizer) -> None:
-    vocab = Vocab(metadata(gemma_file()))
+    vocab = Vocab(metadata(gemma_file(), gguf_reader(gemma_file())))  # parsed once (gemma_hf)
     for text in TEXTS:
         assert gemma.encode(text) == spm_reference(text, vocab), repr(text)
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from gemma_fixtures import gemma_file
 from hf_fixtures import gguf_reader
 from prefixcache.engine import kernels
-from prefixcache.engine.model_files import model_source
 from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight, WeightType
 from prefixcache.engine.weight_types import packed_weight as packed_weight_module
 from prefixcache.engine.weight_types.random_blocks import random_blocks
@@ -203,17 +203,11 @@ def test_bad_matmul_inputs_and_parts_are_refused(native: None) -> None:
         PackedWeight.cat([a, b])
 
 
-@pytest.fixture(scope="module")
-def gemma_file() -> str:
-    """Gemma 3 270M Q4_K_M, assembled (sha256-checked) from its PyPI chunk packages."""
-    return str(model_source("gemma3-270m"))
-
-
-def test_gemma_q4_k_m_tensors_dequantize_bit_exactly(native: None, gemma_file: str) -> None:
+def test_gemma_q4_k_m_tensors_dequantize_bit_exactly(native: None) -> None:
     """Every quantized tensor of a real Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0) against gguf-py;
     the [262144 x 640] embedding on a random 16th of its rows (gguf-py takes ~7 s for all).
     The first tensor of each type also goes through the kernels."""
-    reader = gguf_reader(gemma_file)  # parsed once per session (hf_fixtures.py)
+    reader = gguf_reader(gemma_file())  # parsed once per worker (hf_fixtures.py, GROUPS)
     seen: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
