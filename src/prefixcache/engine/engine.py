@@ -202,8 +202,10 @@ class LLMEngine:
                 raise ValueError("a prebuilt model runs fp32 on int4 weights only")
             return loaded.model, list(loaded.int4_weights)
         model = build_model(loaded.config, dtype=config.dtype)
+        if config.quantized_weights:
+            return model, model.load_quantized(loaded.state_dict, loaded.quantized)
         model.load_weights(loaded.state_dict)
-        return model, model.quantize(loaded.quantized) if config.quantized_weights else []
+        return model, []
 
     def _blocks_for_bytes(self, budget: int) -> int:
         """How many KV blocks fit in ``budget`` bytes."""

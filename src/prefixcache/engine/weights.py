@@ -8,6 +8,7 @@ Finding and opening the files, and the tokenizer alone, are in `engine/model_fil
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from prefixcache.engine.model_files import (
 from prefixcache.engine.models import SUPPORTED_ARCHITECTURES, build_model, family
 from prefixcache.engine.models.family import Family, GgufFields
 from prefixcache.engine.models.llama import short_list, tensor_problems
+from prefixcache.engine.packed_state import PackedStateDict, tensor_shapes
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weight_types import PackedWeight, weight_type
 
@@ -40,7 +42,7 @@ class LoadedModel:
     """Everything the engine needs from a model source."""
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
     # HF name -> the GGUF's own blocks of each 2-D weight not in F32 (Q/K rows un-permuted)
@@ -64,9 +66,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(target.shape) for name, target in targets.items()}
 
 
-def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
+def check_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
     """Raise ModelFileError naming every missing, unexpected or misshapen tensor."""
-    problems = tensor_problems(expected_shapes(config), state)
+    problems = tensor_problems(expected_shapes(config), tensor_shapes(state))
     if problems:
         raise ModelFileError(f"{source}: " + "; ".join(problems))
 
@@ -87,12 +89,12 @@ def _load_gguf(path: Path) -> LoadedModel:
     _check_types(tensors, names, path)
     permuted = kind.permuted_qk
     blocks = _gguf_blocks(tensors, names, config, permuted)
-    state = {
-        hf: blocks[hf].dequantize()
-        if hf in blocks
-        else _gguf_tensor(tensors[g], config, permuted, path)
+    dense = {
+        hf: _gguf_tensor(tensors[g], config, permuted, path)
         for g, hf in names.items()
-    }  # a packed tensor dequantizes on the native decoders where they load (bit-exact)
+        if hf not in blocks
+    }  # a packed tensor dequantizes when read, on the native decoders where they load
+    state = PackedStateDict(dense, blocks)
     check_state_dict(state, config, path)
     return LoadedModel(config, state, tokenizer, path, blocks)
 

@@ -26,6 +26,7 @@ from prefixcache.engine.models.llama import (
     Rotary,
     _param,
     apply_rope,
+    check_weights,
     copy_weights,
     projection_targets,
     quantize_projections,
@@ -155,10 +156,22 @@ class Gemma3Model(nn.Module):
         """Copy the HF-named tensors in; ValueError lists every mismatch first."""
         copy_weights(self.weight_targets(), state_dict)
 
+    def load_quantized(
+        self, state_dict: Mapping[str, torch.Tensor], blocks: Mapping[str, PackedWeight]
+    ) -> list[str]:
+        """Pack first, then copy in only what stays dense: a packed tensor is never
+        dequantized (nor its fp32 parameter touched), so loading takes no fp32 copy of it."""
+        targets = self.weight_targets()
+        check_weights(targets, state_dict)  # all of them, before quantize empties the packed
+        done = self.quantize(blocks)
+        dense = {name: target for name, target in targets.items() if name not in done}
+        copy_weights(dense, state_dict, checked=True)
+        return done
+
     def quantize(self, blocks: Mapping[str, PackedWeight]) -> list[str]:
-        """After `load_weights`: every projection on its file's blocks, and the tied
-        embedding packed too (looked up row by row, and the head's matrix): the dense
-        copies are dropped."""
+        """After `load_weights` (or within `load_quantized`): every projection on its
+        file's blocks, and the tied embedding packed too (looked up row by row, and the
+        head's matrix): the dense copies are dropped."""
         done = []
         for i, layer in enumerate(self.layers):
             done += quantize_projections(layer, f"model.layers.{i}.", blocks)

@@ -29,6 +29,7 @@ from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.lone_decode import LoneDecode
 from prefixcache.engine.model_files import ModelFileError
 from prefixcache.engine.models.family import BASE_LAYER_NAMES, Family, GgufFields
+from prefixcache.engine.packed_state import tensor_shapes
 from prefixcache.engine.quant import (
     Int4Linear,
     Q4Blocks,
@@ -308,6 +309,13 @@ class LlamaModel(nn.Module):
         """Copy Hugging Face Llama-named tensors in; ValueError lists every mismatch first."""
         copy_weights(self.weight_targets(), state_dict)
 
+    def load_quantized(
+        self, state_dict: Mapping[str, torch.Tensor], blocks: Mapping[str, Blocks]
+    ) -> list[str]:
+        """`load_weights`, then `quantize` (its int4 head refines on the dense matrix)."""
+        self.load_weights(state_dict)
+        return self.quantize(blocks)
+
     def quantize(self, blocks: Mapping[str, Blocks]) -> list[str]:
         """After `load_weights`: run what `blocks` (HF names) cover on their file's blocks.
 
@@ -380,34 +388,44 @@ def _qkv_rows(layer: nn.Module) -> list[int]:
     return [layer.num_heads * layer.head_dim, kv_rows, kv_rows]
 
 
-def copy_weights(
+def check_weights(
     targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]
 ) -> None:
-    """Copy each HF-named tensor into its target; ValueError listing every mismatch first."""
-    problems = tensor_problems({n: tuple(t.shape) for n, t in targets.items()}, state_dict)
+    """ValueError listing every tensor of ``state_dict`` missing, unexpected or mis-shaped for
+    ``targets``."""
+    expected = {n: tuple(t.shape) for n, t in targets.items()}
+    problems = tensor_problems(expected, tensor_shapes(state_dict))
     if problems:
         raise ValueError("cannot load weights: " + "; ".join(problems))
+
+
+def copy_weights(
+    targets: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor],
+    checked: bool = False,
+) -> None:
+    """Copy each HF-named tensor into its target, after `check_weights` unless ``checked``."""
+    if not checked:
+        check_weights(targets, state_dict)
     with torch.no_grad():
         for name, target in targets.items():
             target.copy_(torch.as_tensor(state_dict[name]))
 
 
 def tensor_problems(
-    expected: Mapping[str, tuple[int, ...]], state_dict: Mapping[str, torch.Tensor]
+    expected: Mapping[str, tuple[int, ...]], shapes: Mapping[str, tuple[int, ...]]
 ) -> list[str]:
-    """Missing, unexpected and mis-shaped tensors, one message per kind.
-
-    A tied model ignores a checkpoint's ``lm_head.weight``; old exports' RoPE tables too.
+    """Missing, unexpected and mis-shaped tensors (``shapes``: a checkpoint's), one message
+    per kind. A tied model ignores a checkpoint's ``lm_head.weight``; old exports' RoPE
+    tables too.
     """
     allowed = set(expected) | {"lm_head.weight"}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(
-        n for n in state_dict if n not in allowed and not n.endswith(_IGNORED_SUFFIXES)
-    )
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(n for n in shapes if n not in allowed and not n.endswith(_IGNORED_SUFFIXES))
     misshaped = [
-        f"{n} has shape {tuple(state_dict[n].shape)}, expected {shape}"
+        f"{n} has shape {shapes[n]}, expected {shape}"
         for n, shape in expected.items()
-        if n in state_dict and tuple(state_dict[n].shape) != shape
+        if n in shapes and shapes[n] != shape
     ]
     problems = []
     for kind, names in (
