@@ -9,7 +9,7 @@ import pytest
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.tool_prompt import Turn
-from prefixcache.server.response_store import ResponseStore
+from prefixcache.server.response_store import Record, ResponseStore
 from server_fixtures import running_server, wait_idle, write_key_file
 
 INSTRUCTIONS = "You are a terse railway clerk. " * 4
@@ -130,13 +130,14 @@ def test_bad_bodies_are_400s_naming_the_field(served, body, field):
 
 def test_the_store_is_bounded_per_tenant_and_expires():
     now = [0.0]
-    store = ResponseStore(max_per_tenant=2, ttl=10.0, max_chars=10, clock=lambda: now[0])
+    store = ResponseStore(max_per_tenant=2, ttl=10.0, max_chars=40, clock=lambda: now[0])
     turn = [Turn("user", "abc")]
     for name in ("a", "b", "c"):
-        store.put("t1", name, turn, (1, 1))
+        store.put("t1", name, Record(turn, (1, 1), {}))
     assert store.get("t1", "a") is None and store.get("t1", "c") is not None
     assert store.get("t2", "c") is None  # another tenant's id
-    store.put("t1", "big", [Turn("user", "x" * 9)], (1, 1))  # over the characters: the rest go
+    big = Record([Turn("user", "x" * 25)], (1, 1), {})  # 33 characters with its object
+    store.put("t1", "big", big)  # over the characters: the rest go
     assert store.get("t1", "b") is None and store.get("t1", "c") is None
     assert store.get("t1", "big") is not None
     now[0] = 11.0

@@ -30,7 +30,7 @@ from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol import openapi
 from prefixcache.protocol.admission import InFlight, Ticket
-from prefixcache.protocol.anthropic_schemas import MessagesRequest
+from prefixcache.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
 from prefixcache.protocol.auth import Tenant, Tenants
 from prefixcache.protocol.cache_controls import CACHE_KEY_LOG_CHARS, openai_keeps
 from prefixcache.protocol.errors import ApiError
@@ -45,9 +45,11 @@ from prefixcache.protocol.schemas import (
     PromptCacheFields,
 )
 from prefixcache.protocol.stopping_server import StoppingServer
+from prefixcache.protocol.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
+from prefixcache.server.lookup_routes import LOOKUP_PATHS, add_stored_routes, add_token_routes
 from prefixcache.server.messages import prepare_messages
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.prepare import (
@@ -69,8 +71,12 @@ MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
-    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES}),
+    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES, *LOOKUP_PATHS}),
 )
+BODIES = [
+    ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest,
+    CountTokensRequest, TokenizeRequest, DetokenizeRequest,
+]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -132,8 +138,7 @@ def create_app(
     if publisher is not None:
         server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    bodies = [ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest]
-    openapi.install(app, bodies, lambda: model_name)
+    openapi.install(app, BODIES, lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
@@ -239,6 +244,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def reset() -> dict:
         """Drop every cached block, if none is in use (admin keys only)."""
         return await server.async_engine.run_in_engine(_reset_report)
+
+    add_token_routes(app, server)
+    add_stored_routes(app, server)
 
 
 def _model_card(server: Server) -> dict:
