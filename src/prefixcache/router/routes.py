@@ -194,7 +194,8 @@ def _body_forwarder(state: RouterState, path: str) -> Callable:
     async def forward_body(request: Request) -> Response:
         state.namespace()
         raw = await request.body()
-        return await state.forwarder.forward(request, path, raw, [], False, RouteLog(path))
+        route = RouteLog(path.rsplit("/", 1)[-1])  # count_tokens, tokenize, detokenize
+        return await state.forwarder.forward(request, path, raw, [], False, route)
 
     return forward_body
 
@@ -208,7 +209,7 @@ async def _forward_stored(
     query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k in STORED_QUERY])
     path = f"{RESPONSES}/{path_segment(response_id)}{tail}" + (f"?{query}" if query else "")
     pinned = state.fleet.by_instance(instance_of(response_id))
-    route = RouteLog(STORED + tail)
+    route = RouteLog(f"{request.method.lower()}_response{tail.replace('/', '_')}")
     return await state.forwarder.forward(
         request, path, b"", [], False, route, pinned=pinned.url if pinned else None
     )
