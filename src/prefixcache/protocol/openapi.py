@@ -14,7 +14,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from prefixcache.protocol.schemas import NullMeansDefault
+from prefixcache.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
+from prefixcache.protocol.responses_schemas import ResponsesRequest
+from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest, NullMeansDefault
+from prefixcache.protocol.tokenize_schemas import DetokenizeRequest, TokenizeRequest
+
+REQUEST_BODIES = [  # every route's request body, declared in /openapi.json (server and router)
+    ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest,
+    CountTokensRequest, TokenizeRequest, DetokenizeRequest,
+]  # fmt: skip
 
 
 class ErrorObject(BaseModel):

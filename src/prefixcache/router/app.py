@@ -39,7 +39,7 @@ from prefixcache.router.replicas import (
     ClusterNamespace,
     Fleet,
 )
-from prefixcache.router.routes import BODIES, ROUTES, add_routes
+from prefixcache.router.routes import ROUTES, add_routes
 from prefixcache.router.routing import DEFAULT_EXPECT_GRACE_S, Router
 
 CONNECT_TIMEOUT_S = 5.0
@@ -177,7 +177,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="prefixcache router", lifespan=lifespan, redirect_slashes=False)
     app.state.router = state
     add_routes(app, state)
-    openapi.install(app, BODIES, state.model_name)
+    openapi.install(app, openapi.REQUEST_BODIES, state.model_name)
     install_front(
         app, app.router.routes, config.tenants, ROUTES, config.limits, state.in_flight,
         on_aborted_read=state.metrics.aborted_reads.inc,

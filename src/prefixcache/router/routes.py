@@ -50,15 +50,6 @@ PATHS = {
     prompts.MESSAGES: MESSAGES,
     prompts.RESPONSES: RESPONSES,
 }  # the routing view's endpoint name -> the replica's path
-BODIES = [
-    ChatCompletionRequest,
-    CompletionRequest,
-    MessagesRequest,
-    ResponsesRequest,
-    CountTokensRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-]  # fmt: skip  (the request bodies the router's /openapi.json declares)
 SCHEMA_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),

@@ -30,7 +30,7 @@ from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol import openapi
 from prefixcache.protocol.admission import InFlight, Ticket
-from prefixcache.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
+from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenant, Tenants
 from prefixcache.protocol.cache_controls import CACHE_KEY_LOG_CHARS, openai_keeps
 from prefixcache.protocol.errors import ApiError
@@ -45,7 +45,6 @@ from prefixcache.protocol.schemas import (
     PromptCacheFields,
 )
 from prefixcache.protocol.stopping_server import StoppingServer
-from prefixcache.protocol.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
@@ -73,10 +72,6 @@ ROUTES = RoutePolicy(
     admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
     metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES, *LOOKUP_PATHS}),
 )
-BODIES = [
-    ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest,
-    CountTokensRequest, TokenizeRequest, DetokenizeRequest,
-]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -138,7 +133,7 @@ def create_app(
     if publisher is not None:
         server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    openapi.install(app, BODIES, lambda: model_name)
+    openapi.install(app, openapi.REQUEST_BODIES, lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
