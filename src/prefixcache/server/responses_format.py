@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from prefixcache.engine.request import RequestOutput
 from prefixcache.protocol.tool_prompt import Call, Turn
 from prefixcache.server.response_store import Record
-from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
+from prefixcache.server.tool_parse import ToolStream, content_of, cut_short, new_call_id, scan
 
 Save = Callable[[str, Record], None]
 
@@ -45,7 +45,8 @@ class ResponsesShape:
     def respond(self, parts: Sequence[RequestOutput]) -> dict:
         """The whole response of a finished request (saved first)."""
         output = parts[0].outputs[0]
-        found = scan(output.text, self.tool_names or frozenset(), final=True)
+        cut = cut_short(output.finish_reason)
+        found = scan(output.text, self.tool_names or frozenset(), final=True, cut=cut)
         items: list[dict] = []
         text = content_of(found) if self.tool_names else output.text
         if text is not None and (text or not found.complete_calls):
@@ -196,7 +197,8 @@ class ResponsesStream:
             delta = completion.text[sent:]
             events = [("text", delta)] if delta else []
         else:
-            events = self.tools.update(completion.text, final)
+            cut = final and cut_short(completion.finish_reason)
+            events = self.tools.update(completion.text, final, cut)
         out = [e for event in events for e in self._on(event)]
         if final:
             if not self.items and self.open is None:  # no text at all: an empty message
