@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixcache.protocol.access_log import HealthCheckFilter
+from prefixcache.protocol.access_log import HealthCheckFilter, ResponseIdFilter
 from router_fixtures import ReplicaProcess, write_tiny_hf_model
 from server_fixtures import free_port
 
@@ -36,6 +36,20 @@ def test_the_filter_drops_health_and_metrics_only() -> None:
     keep = HealthCheckFilter().filter
     assert not keep(access_record("/health")) and not keep(access_record("/metrics?x=1"))
     assert keep(access_record("/v1/models")) and keep(access_record("/healthz"))
+
+
+def test_a_stored_response_id_never_reaches_the_access_log() -> None:
+    redact = ResponseIdFilter().filter
+    cases = {
+        "/v1/responses/resp_1234abcd99": "/v1/responses/{id}",
+        "/v1/responses/resp_x/input_items?after=msg_1": "/v1/responses/{id}/input_items",
+        "/v1/responses": "/v1/responses",
+        "/tokenize": "/tokenize",
+    }
+    for path, logged in cases.items():
+        record = access_record(path)
+        assert redact(record)
+        assert record.getMessage() == f'127.0.0.1:5000 - "GET {logged} HTTP/1.1" 200'
 
 
 @pytest.mark.slow

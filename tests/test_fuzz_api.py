@@ -16,7 +16,9 @@ EXAMPLES = 20  # per operation and mode: the file takes about 20 s here (nightly
 OPERATIONS = {
     "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
     "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
-    "POST /v1/responses", "POST /admin/reset_prefix_cache",
+    "POST /v1/responses", "POST /admin/reset_prefix_cache", "POST /v1/messages/count_tokens",
+    "POST /tokenize", "POST /detokenize", "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}", "GET /v1/responses/{response_id}/input_items",
 }  # fmt: skip
 
 

@@ -21,7 +21,9 @@ OPERATIONS = {
     "GET /admin/replicas", "GET /health", "GET /metrics", "GET /v1/models",
     "GET /v1/models/{model_id}",
     "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
-    "POST /v1/responses",
+    "POST /v1/responses", "POST /v1/messages/count_tokens", "POST /tokenize", "POST /detokenize",
+    "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+    "GET /v1/responses/{response_id}/input_items",
 }  # fmt: skip
 
 

@@ -115,3 +115,16 @@ def test_a_tool_use_then_tool_result_loop_reads_the_first_prompt_from_cache(serv
     assert second.content and second.stop_reason in ("end_turn", "max_tokens", "tool_use")
     prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
     assert second.usage.cache_read_input_tokens >= (prompt // block - 1) * block
+
+
+def test_a_tool_use_cut_by_max_tokens_stops_at_max_tokens(served):
+    client, _ = served
+    named = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    whole = client.messages.create(**fields(ASK, tool_choice=named))
+    assert whole.stop_reason == "tool_use"
+    half = fields(ASK, tool_choice=named, max_tokens=whole.usage.output_tokens // 2)
+    cut = client.messages.create(**half)
+    assert cut.stop_reason == "max_tokens"
+    assert all(block.type == "text" and "<tool_call>" not in block.text for block in cut.content)
+    with client.messages.stream(**half) as stream:
+        assert stream.get_final_message().stop_reason == "max_tokens"

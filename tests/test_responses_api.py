@@ -9,7 +9,7 @@ import pytest
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.tool_prompt import Turn
-from prefixcache.server.response_store import ResponseStore
+from prefixcache.server.response_store import Record, ResponseStore
 from server_fixtures import running_server, wait_idle, write_key_file
 
 INSTRUCTIONS = "You are a terse railway clerk. " * 4
@@ -130,13 +130,14 @@ def test_bad_bodies_are_400s_naming_the_field(served, body, field):
 
 def test_the_store_is_bounded_per_tenant_and_expires():
     now = [0.0]
-    store = ResponseStore(max_per_tenant=2, ttl=10.0, max_chars=10, clock=lambda: now[0])
+    store = ResponseStore(max_per_tenant=2, ttl=10.0, max_chars=40, clock=lambda: now[0])
     turn = [Turn("user", "abc")]
     for name in ("a", "b", "c"):
-        store.put("t1", name, turn, (1, 1))
+        store.put("t1", name, Record(turn, (1, 1), {}))
     assert store.get("t1", "a") is None and store.get("t1", "c") is not None
     assert store.get("t2", "c") is None  # another tenant's id
-    store.put("t1", "big", [Turn("user", "x" * 9)], (1, 1))  # over the characters: the rest go
+    big = Record([Turn("user", "x" * 25)], (1, 1), {})  # 33 characters with its object
+    store.put("t1", "big", big)  # over the characters: the rest go
     assert store.get("t1", "b") is None and store.get("t1", "c") is None
     assert store.get("t1", "big") is not None
     now[0] = 11.0
@@ -164,3 +165,81 @@ def test_prompt_cache_retention_keeps_a_responses_prompt(served):
     )  # fmt: skip
     wait_idle(state)
     assert state.engine.manager.retained_blocks() > before
+
+
+def test_the_openai_sdk_retrieves_lists_and_deletes_a_stored_response(served):
+    url, _ = served
+    api = client(url)
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]},
+    ]
+    made = ask(api, input=items, instructions=INSTRUCTIONS)
+    got = api.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()  # the object as it was answered
+    listed = api.responses.input_items.list(made.id, order="asc")
+    kinds = [(i.type, getattr(i, "role", None)) for i in listed.data]
+    assert kinds == [("message", "user"), ("function_call", None),
+                     ("function_call_output", None), ("message", "user")]  # fmt: skip
+    assert listed.data[1].call_id == "c1" and listed.data[2].output == "sunny"
+    assert listed.data[3].content[0].text == "And tomorrow?"
+    newest = api.responses.input_items.list(made.id, limit=3)  # desc by default, as OpenAI's
+    assert [i.id for i in newest.data] == [i.id for i in reversed(listed.data)][:3]
+    assert newest.has_more
+    pages = list(api.responses.input_items.list(made.id, limit=1, order="asc"))  # auto-paging
+    assert [i.id for i in pages] == [i.id for i in listed.data]
+    assert api.responses.delete(made.id) is None
+    for call in (lambda: api.responses.retrieve(made.id),
+                 lambda: api.responses.input_items.list(made.id),
+                 lambda: api.responses.delete(made.id),
+                 lambda: ask(api, input="more", previous_response_id=made.id)):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            call()
+
+
+def test_another_tenants_response_is_a_404_like_an_unknown_one(served):
+    url, _ = served
+    mine = ask(client(url), input="hello")
+    theirs = client(url, "sk-beta")
+    answers = []
+    for response_id in (mine.id, "resp_" + "0" * 32):
+        for call in (theirs.responses.retrieve, theirs.responses.delete,
+                     theirs.responses.input_items.list):  # fmt: skip
+            with pytest.raises(openai.NotFoundError) as caught:
+                call(response_id)
+            answers.append(caught.value.body["message"].replace(response_id, "ID"))
+    assert len(set(answers)) == 1  # nothing tells another tenant's id from an unknown one
+    assert client(url).responses.retrieve(mine.id).id == mine.id  # still there for its tenant
+    unstored = ask(client(url), input="hello", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client(url).responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize(
+    "query, param",
+    [("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+     ("after=msg_nope", "after")],
+)  # fmt: skip
+def test_bad_input_item_queries_are_400s_naming_the_parameter(served, query, param):
+    url, _ = served
+    made = ask(client(url), input="hello")
+    reply = httpx.get(
+        f"{url}/v1/responses/{made.id}/input_items?{query}",
+        headers={"authorization": "Bearer sk-alpha"},
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    streamed = httpx.get(
+        f"{url}/v1/responses/{made.id}?stream=true", headers={"authorization": "Bearer sk-alpha"}
+    )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
+def test_a_deleted_response_gives_back_its_characters():
+    store = ResponseStore(max_chars=100)
+    store.put("t1", "a", Record([Turn("user", "abc")], (1, 1), {"id": "a"}))
+    assert store.delete("t1", "a") and not store.delete("t1", "a")
+    assert not store.delete("t2", "a")
+    store.put("t1", "b", Record([Turn("user", "x" * 80)], (1, 1), {}))  # fits only if freed
+    assert store.get("t1", "b") is not None

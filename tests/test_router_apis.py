@@ -106,6 +106,16 @@ def test_the_routers_own_errors_on_messages_are_anthropics(cluster: Cluster) -> 
         assert big.json()["type"] == "error"
         chat = client.post("/v1/chat/completions", json=body)
         assert chat.status_code == 503 and "type" not in chat.json()  # OpenAI's shape there
+        count = client.post("/v1/messages/count_tokens", json=body)
+        assert count.status_code == 503 and count.json()["error"]["type"] == "overloaded_error"
+        big_count = client.post("/v1/messages/count_tokens", json={**body, "system": "x" * 4096})
+        assert big_count.status_code == 413 and big_count.json()["type"] == "error"
+        for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/v1/responses/resp_x"), ("DELETE", "/v1/responses/resp_x"),
+                             ("GET", "/v1/responses/resp_x/input_items")):  # fmt: skip
+            down = client.request(method, path, json={"prompt": "hi"})
+            assert down.status_code == 503 and set(down.json()) == {"error"}, (method, path)
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
 
 
 def test_a_repeated_message_goes_to_the_replica_holding_its_prefix(cluster: Cluster) -> None:
@@ -229,3 +239,62 @@ def test_prompt_cache_key_on_responses_keeps_a_tenant_on_one_replica(cluster: Cl
             seen.add(response.headers[REPLICA_HEADER])
         assert len(seen) == 1
         assert metric_total(state, "prefixcache_router_key_affinity_total") == 4
+
+
+def test_token_counts_and_ids_through_the_router(cluster: Cluster) -> None:
+    with (
+        running_router(cluster.config()) as (url, _),
+        httpx.Client(base_url=url, headers=AUTH, timeout=60) as http,
+    ):
+        claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+        tool = {"name": "lookup", "input_schema": {"type": "object"}}
+        fields = {"system": [{"type": "text", "text": document("kea", 8)}],
+                  "messages": [{"role": "user", "content": "Who?"}], "tools": [tool]}  # fmt: skip
+        counted = claude.messages.count_tokens(model="tiny", **fields).input_tokens
+        used = claude.messages.create(model="tiny", max_tokens=1, **fields).usage
+        cached = used.cache_read_input_tokens + used.cache_creation_input_tokens
+        assert counted == used.input_tokens + cached > 0
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            claude.messages.count_tokens(model="tiny", messages=[])
+        assert bad.value.body["type"] == "error"  # the replica's 400, in Anthropic's shape
+        messages = [{"role": "user", "content": document("ibis", 8)}]
+        ids = http.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+        chat = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 1,
+            "tool_choice": "none"})  # fmt: skip
+        assert ids["count"] == chat.json()["usage"]["prompt_tokens"]
+        body = {"model": "tiny", "messages": messages, "tools": TOOLS}
+        raw = httpx.Request("POST", "/", json=body).content
+        assert routing_view(raw, "chat", cluster.tokenizer).token_ids == ids["tokens"]
+        text = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+        again = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        assert again.json()["tokens"] == ids["tokens"]
+        bad_ids = http.post("/detokenize", json={"tokens": [0, -1]})
+        assert bad_ids.status_code == 400 and bad_ids.json()["error"]["param"] == "tokens.1"
+
+
+def test_stored_responses_are_read_and_deleted_on_the_replica_that_stored_them(
+    cluster: Cluster,
+) -> None:
+    by_instance = instances(cluster)
+    made = []
+    for replica in cluster.replicas:  # one stored on each replica, whatever the policy likes
+        direct = openai.OpenAI(base_url=f"{replica.url}/v1", api_key=KEY, max_retries=0)
+        made.append(direct.responses.create(model="tiny", input="Hi there", max_output_tokens=2))
+    with running_router(cluster.config()) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        stranger = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-beta", max_retries=0)
+        for response in made:
+            home = by_instance[instance_of(response.id)]
+            raw = client.responses.with_raw_response.retrieve(response.id)
+            assert raw.headers[REPLICA_HEADER] == home
+            assert raw.parse().model_dump() == response.model_dump()
+            items = client.responses.input_items.with_raw_response.list(response.id, limit=1)
+            assert items.headers[REPLICA_HEADER] == home
+            assert items.parse().data[0].content[0].text == "Hi there"
+            with pytest.raises(openai.NotFoundError):
+                stranger.responses.retrieve(response.id)  # another tenant's: a 404
+            deleted = client.responses.with_raw_response.delete(response.id)
+            assert deleted.headers[REPLICA_HEADER] == home
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(response.id)

@@ -390,6 +390,17 @@ def test_openapi_declares_the_bodies_and_every_status(keyed):
         assert "text/event-stream" in operation["responses"]["200"]["content"]
     assert {"401", "403"} <= set(schema["paths"]["/metrics"]["get"]["responses"])
     assert {"401", "403"} <= set(schema["paths"]["/admin/reset_prefix_cache"]["post"]["responses"])
+    lookups = (("/v1/messages/count_tokens", "CountTokensRequest"),
+               ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest"))  # fmt: skip
+    for path, model in lookups:
+        operation = schema["paths"][path]["post"]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert {"400", "401", "404", "429"} <= set(operation["responses"])
+    stored = schema["paths"]["/v1/responses/{response_id}"]
+    assert {"get", "delete"} <= set(stored) and "404" in stored["get"]["responses"]
+    listing = schema["paths"]["/v1/responses/{response_id}/input_items"]["get"]
+    assert {p["name"] for p in listing["parameters"]} >= {"response_id", "limit", "order", "after"}
     assert "422" not in json.dumps(schema)
     assert components["ChatMessage"]["properties"]["content"]["anyOf"][0] == {"type": "string"}
 

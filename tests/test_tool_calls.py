@@ -81,6 +81,44 @@ def test_chat_message_and_stream_chunks_in_openai_shape():
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
+def _cut_output(text: str, finished: bool) -> RequestOutput:
+    """A completion that max_tokens ended (finish_reason "length")."""
+    completion = CompletionOutput(0, text, [], finish_reason="length" if finished else None)
+    return RequestOutput("r", [1, 2], [completion], 0, RequestMetrics(0.0), finished)
+
+
+HALF = CALL[: CALL.index("Paris") + 2]  # cut inside the arguments
+
+
+@pytest.mark.parametrize(
+    "text, reason, calls, content",
+    [
+        (CALL, "tool_calls", 1, None),  # cut right after a complete call: the call stands
+        ("Let me see." + HALF, "length", 0, "Let me see."),  # cut inside the only call
+        (CALL + HALF, "length", 1, None),  # the second call cut: it is dropped
+        ("Let me see. <tool_c", "length", 0, "Let me see. "),  # cut inside the tag
+        ('Hm.<tool_call>{"name": "get_weath', "length", 0, "Hm."),  # inside the name
+    ],
+)
+def test_a_call_cut_by_max_tokens_finishes_length_and_leaks_no_markup(text, reason, calls,
+                                                                      content):  # fmt: skip
+    shape = openai_format.Shape("chatcmpl-x", "m", True, 1, default_tokenizer())
+    shape.tool_names = NAMES
+    choice = openai_format.response(shape, [_cut_output(text, True)])["choices"][0]
+    assert choice["finish_reason"] == reason
+    assert len(choice["message"].get("tool_calls", [])) == calls
+    assert choice["message"]["content"] == content
+    formatter = openai_format.StreamFormatter(shape)
+    chunks = []
+    for end in range(0, len(text), 5):
+        chunks += formatter.chunks(_cut_output(text[:end], False))
+    chunks += formatter.chunks(_cut_output(text, True))
+    deltas = [json.loads(c.removeprefix("data: "))["choices"][0] for c in chunks]
+    assert deltas[-1]["finish_reason"] == reason
+    streamed = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert streamed == (content or "") and "<" not in streamed
+
+
 def test_generic_prompt_lists_tools_and_each_turn_extends_the_last():
     tokenizer = default_tokenizer()
     turns = [Turn("user", "Weather in Paris?")]

@@ -227,3 +227,27 @@ def test_a_streamed_responses_call_matches_its_final_item(served):
     assert "".join(fragments) == done.arguments == item.arguments
     assert isinstance(json.loads(item.arguments)["city"], str)
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_call_cut_by_max_tokens_finishes_length_and_one_just_complete_stands(served):
+    api, _ = served
+    whole = chat(api, ASK, tool_choice=NAMED_WEATHER, parallel_tool_calls=False)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    (call,) = whole.choices[0].message.tool_calls
+    used = whole.usage.completion_tokens  # the call, then the end-of-turn token
+    just = chat(api, ASK, tool_choice=NAMED_WEATHER, parallel_tool_calls=False,
+                max_tokens=used - 1)  # fmt: skip
+    ended = just.choices[0]
+    assert ended.finish_reason == "tool_calls"  # cut after its last tag: the call is whole
+    assert [c.function.arguments for c in ended.message.tool_calls] == [call.function.arguments]
+    for stream in (False, True):
+        fields = {"tool_choice": NAMED_WEATHER, "max_tokens": used // 2}
+        if stream:
+            chunks = list(chat(api, ASK, stream=True, **fields))
+            reason = chunks[-1].choices[0].finish_reason
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            cut = chat(api, ASK, **fields).choices[0]
+            reason, content = cut.finish_reason, cut.message.content or ""
+            assert not cut.message.tool_calls  # a half-written call is not a call
+        assert reason == "length" and "<tool_call>" not in content and "{" not in content

@@ -149,3 +149,10 @@ class MessagesRequest(NullMeansDefault):
     def unsupported_field(self) -> tuple[str, str] | None:
         """Nothing this route refuses outright (blocks are checked one by one)."""
         return None
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages body, ``max_tokens`` not needed (the
+    sampling fields are checked as ``/v1/messages`` checks them, then ignored)."""
+
+    max_tokens: int | None = Field(None, ge=1)  # type: ignore[assignment]

@@ -28,7 +28,7 @@ ERROR_TYPES = {
     431: "invalid_request_error",
     503: "service_unavailable_error",
 }
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})  # routes that answer in Anthropic's shape
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})  # Anthropic's shape
 ANTHROPIC_ERROR_TYPES = {**ERROR_TYPES, 503: "overloaded_error"}  # the rest alike
 
 

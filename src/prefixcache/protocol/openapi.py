@@ -14,7 +14,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from prefixcache.protocol.schemas import NullMeansDefault
+from prefixcache.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
+from prefixcache.protocol.responses_schemas import ResponsesRequest
+from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest, NullMeansDefault
+from prefixcache.protocol.tokenize_schemas import DetokenizeRequest, TokenizeRequest
+
+REQUEST_BODIES = [  # every route's request body, declared in /openapi.json (server and router)
+    ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest,
+    CountTokensRequest, TokenizeRequest, DetokenizeRequest,
+]  # fmt: skip
 
 
 class ErrorObject(BaseModel):
@@ -139,6 +147,65 @@ class Health(BaseModel):
     instance: str | None = None  # the replica's instance id, the prefix of its response ids
 
 
+class TokenCount(BaseModel):
+    """``POST /v1/messages/count_tokens``: the prompt tokens ``/v1/messages`` would prefill."""
+
+    input_tokens: int
+
+
+class Tokenized(BaseModel):
+    """``POST /tokenize`` (vLLM's shape)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None
+
+
+class Detokenized(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    prompt: str
+
+
+class StoredResponse(BaseModel):
+    """A stored Responses API response, as it was answered (``server/responses_format.py``)."""
+
+    id: str
+    object: str
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: str
+    deleted: bool
+
+
+class InputItemList(BaseModel):
+    """A page of a stored response's input items."""
+
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+INPUT_ITEMS_QUERY = {  # GET /v1/responses/{id}/input_items: read by the handler itself
+    "parameters": [
+        {"name": "limit", "in": "query", "required": False,
+         "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        {"name": "order", "in": "query", "required": False,
+         "schema": {"type": "string", "enum": ["asc", "desc"]}},
+        {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    ]
+}  # fmt: skip
+
+
 class ResetReport(BaseModel):
     reset: bool
     detail: str
@@ -148,7 +215,7 @@ DESCRIPTIONS = {
     400: "Malformed JSON or HTTP, or a field out of range (the message names it and its limit)",
     401: "Missing or unknown API key",
     403: "The key's tenant may not use this route (not an admin)",
-    404: "No such model",
+    404: "No such model, or no stored response of that id for this tenant",
     408: "The request head or body did not arrive within --request-read-timeout",
     413: "The body is larger than --max-body-bytes",
     429: "Too many requests in flight (server or tenant); see Retry-After",

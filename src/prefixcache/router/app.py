@@ -22,13 +22,10 @@ from fastapi.responses import JSONResponse
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol import openapi
 from prefixcache.protocol.admission import InFlight
-from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import install_front
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
-from prefixcache.protocol.responses_schemas import ResponsesRequest
-from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from prefixcache.router.affinity import DEFAULT_MAX_KEYS, KeyAffinity
 from prefixcache.router.feed import FeedStats
 from prefixcache.router.forward import Forwarder
@@ -180,8 +177,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="prefixcache router", lifespan=lifespan, redirect_slashes=False)
     app.state.router = state
     add_routes(app, state)
-    bodies = [ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest]
-    openapi.install(app, bodies, state.model_name)
+    openapi.install(app, openapi.REQUEST_BODIES, state.model_name)
     install_front(
         app, app.router.routes, config.tenants, ROUTES, config.limits, state.in_flight,
         on_aborted_read=state.metrics.aborted_reads.inc,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
@@ -18,13 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from prefixcache.protocol import openapi
-from prefixcache.protocol.anthropic_schemas import MessagesRequest
+from prefixcache.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
 from prefixcache.protocol.auth import Tenant
 from prefixcache.protocol.front import get_and_head
 from prefixcache.protocol.guard import RoutePolicy, tenant_of
 from prefixcache.protocol.openapi import json_body, responses
+from prefixcache.protocol.response_ids import instance_of
 from prefixcache.protocol.responses_schemas import ResponsesRequest
 from prefixcache.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from prefixcache.protocol.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 from prefixcache.router import prompts
 from prefixcache.router.affinity import key_digest
 from prefixcache.router.digests import prompt_digests
@@ -38,6 +40,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+COUNT_TOKENS, TOKENIZE, DETOKENIZE = "/v1/messages/count_tokens", "/tokenize", "/detokenize"
+STORED, INPUT_ITEMS = RESPONSES + "/{response_id}", RESPONSES + "/{response_id}/input_items"
+LOOKUPS = (COUNT_TOKENS, TOKENIZE, DETOKENIZE, STORED, INPUT_ITEMS)  # no engine work
+STORED_QUERY = ("limit", "order", "after", "include", "stream")  # passed on to the replica
 PATHS = {
     prompts.CHAT: CHAT,
     prompts.COMPLETIONS: COMPLETIONS,
@@ -48,7 +54,7 @@ SCHEMA_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/replicas", *SCHEMA_PATHS}),
-    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES}),
+    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES, *LOOKUPS}),
 )
 
 
@@ -94,6 +100,7 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
         return await _forward_plain(state, request, f"{MODELS}/{path_segment(model_id)}")
 
     _add_completions(app, state)
+    _add_lookups(app, state)
 
 
 def _add_completions(app: FastAPI, state: RouterState) -> None:
@@ -132,6 +139,71 @@ def _add_completions(app: FastAPI, state: RouterState) -> None:
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API; a ``previous_response_id`` goes to the replica storing it."""
         return await _complete(state, request, prompts.RESPONSES)
+
+
+def _add_lookups(app: FastAPI, state: RouterState) -> None:
+    """Token counts and ids to any replica (they run no engine request); a stored response
+    to the replica whose instance its id names, as a ``previous_response_id`` is."""
+    statuses = (401, 404, 429, 503)
+    for path, body, answer, anthropic in (
+        (COUNT_TOKENS, CountTokensRequest, openapi.TokenCount, True),
+        (TOKENIZE, TokenizeRequest, openapi.Tokenized, False),
+        (DETOKENIZE, DetokenizeRequest, openapi.Detokenized, False),
+    ):
+        app.add_api_route(
+            path, _body_forwarder(state, path), methods=["POST"],
+            openapi_extra=json_body(body),
+            responses=responses(answer, *statuses, anthropic=anthropic),
+            name=path.rsplit("/", 1)[-1],
+        )  # fmt: skip
+
+    @get_and_head(app, STORED, responses=responses(openapi.StoredResponse, *statuses))
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        """A stored response, from the replica that stored it."""
+        return await _forward_stored(state, request, response_id, "")
+
+    @app.delete(STORED, responses=responses(openapi.DeletedResponse, *statuses))
+    async def delete_response(request: Request, response_id: str) -> Response:
+        """Delete a stored response, on the replica that stored it."""
+        return await _forward_stored(state, request, response_id, "")
+
+    @get_and_head(
+        app,
+        INPUT_ITEMS,
+        openapi_extra=openapi.INPUT_ITEMS_QUERY,
+        responses=responses(openapi.InputItemList, *statuses),
+    )
+    async def input_items(request: Request, response_id: str) -> Response:
+        """A page of a stored response's input items, from the replica that stored it."""
+        return await _forward_stored(state, request, response_id, "/input_items")
+
+
+def _body_forwarder(state: RouterState, path: str) -> Callable:
+    """The handler of ``path``: a body that runs no engine request, to any healthy replica
+    (the replica checks the body and answers in its route's shape)."""
+
+    async def forward_body(request: Request) -> Response:
+        state.namespace()
+        raw = await request.body()
+        route = RouteLog(path.rsplit("/", 1)[-1])  # count_tokens, tokenize, detokenize
+        return await state.forwarder.forward(request, path, raw, [], False, route)
+
+    return forward_body
+
+
+async def _forward_stored(
+    state: RouterState, request: Request, response_id: str, tail: str
+) -> Response:
+    """To the replica whose instance ``response_id`` names (down or unknown: any replica,
+    which answers 404); the query's known parameters re-encoded, nothing else passed."""
+    state.namespace()
+    query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k in STORED_QUERY])
+    path = f"{RESPONSES}/{path_segment(response_id)}{tail}" + (f"?{query}" if query else "")
+    pinned = state.fleet.by_instance(instance_of(response_id))
+    route = RouteLog(f"{request.method.lower()}_response{tail.replace('/', '_')}")
+    return await state.forwarder.forward(
+        request, path, b"", [], False, route, pinned=pinned.url if pinned else None
+    )
 
 
 def path_segment(text: str) -> str:

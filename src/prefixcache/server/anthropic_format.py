@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.retention import Keep
-from prefixcache.engine.request import FinishReason, RequestOutput
+from prefixcache.engine.request import CompletionOutput, FinishReason, RequestOutput
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS
 from prefixcache.server.fan_in import FanIn
-from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
+from prefixcache.server.tool_parse import ToolStream, content_of, cut_short, new_call_id, scan
 
 CALL_ID_PREFIX = "toolu"
 
@@ -78,11 +78,13 @@ def stop(shape: MessageShape, output: RequestOutput) -> tuple[str | None, str | 
     return ("stop_sequence", found) if found else ("end_turn", None)
 
 
-def content_blocks(shape: MessageShape, text: str) -> list[dict]:
-    """The text block (unless only spaces beside calls), then a tool_use block per call."""
+def content_blocks(shape: MessageShape, completion: CompletionOutput) -> tuple[list[dict], bool]:
+    """The text block (unless only spaces beside calls), then a tool_use block per complete
+    call; and whether the calls stand (none was cut short by ``max_tokens``)."""
+    text = completion.text
     if shape.tool_names is None:
-        return [{"type": "text", "text": text}]
-    found = scan(text, shape.tool_names, final=True)
+        return [{"type": "text", "text": text}], False
+    found = scan(text, shape.tool_names, final=True, cut=cut_short(completion.finish_reason))
     content = content_of(found)
     blocks = [] if content is None else [{"type": "text", "text": content}]
     return blocks + [
@@ -93,7 +95,7 @@ def content_blocks(shape: MessageShape, text: str) -> list[dict]:
             "input": json.loads(call.arguments),
         }
         for call in found.complete_calls
-    ]
+    ], found.made_calls
 
 
 def message(shape: MessageShape, output: RequestOutput, opening: bool = False) -> dict:
@@ -101,8 +103,8 @@ def message(shape: MessageShape, output: RequestOutput, opening: bool = False) -
     the prompt only)."""
     reason, sequence = (None, None) if opening else stop(shape, output)
     counts = usage(shape, output)
-    content = [] if opening else content_blocks(shape, output.outputs[0].text)
-    if any(block["type"] == "tool_use" for block in content):
+    content, called = ([], False) if opening else content_blocks(shape, output.outputs[0])
+    if called:
         reason, sequence = "tool_use", None
     if opening:
         counts["output_tokens"] = 0
@@ -157,13 +159,14 @@ class _Blocks:
     def delta(self, delta: dict) -> str:
         return event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def update(self, text: str, final: bool) -> list[str]:
-        """The events for the text so far: text deltas, or with tools each block's."""
+    def update(self, text: str, final: bool, cut: bool = False) -> list[str]:
+        """The events for the text so far: text deltas, or with tools each block's (``cut``:
+        ``max_tokens`` ended it)."""
         if self.tools is None:
             delta, self.sent = text[self.sent :], max(self.sent, len(text))
             return [self.delta({"type": "text_delta", "text": delta})] if delta else []
         events: list[str] = []
-        for found in self.tools.update(text, final):
+        for found in self.tools.update(text, final, cut):
             if found[0] == "text":
                 events += [] if self.kind == "text" else self.start({"type": "text", "text": ""})
                 events.append(self.delta({"type": "text_delta", "text": found[1]}))
@@ -193,7 +196,9 @@ async def events(
             blocks.tools = ToolStream(shape.tool_names, id_prefix=CALL_ID_PREFIX)
         yield event("ping", {})
         while True:
-            for line in blocks.update(output.outputs[0].text, fan_in.finished):
+            completion = output.outputs[0]
+            cut = fan_in.finished and cut_short(completion.finish_reason)
+            for line in blocks.update(completion.text, fan_in.finished, cut):
                 yield line
             if fan_in.finished:
                 break
@@ -203,7 +208,7 @@ async def events(
         for line in blocks.stop():
             yield line
         reason, sequence = stop(shape, output)
-        if blocks.tools is not None and blocks.tools.ids:
+        if blocks.tools is not None and blocks.tools.last.made_calls:
             reason, sequence = "tool_use", None
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         yield event("message_delta", {"delta": delta, "usage": usage(shape, output)})

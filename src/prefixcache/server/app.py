@@ -48,6 +48,7 @@ from prefixcache.protocol.stopping_server import StoppingServer
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn
+from prefixcache.server.lookup_routes import LOOKUP_PATHS, add_stored_routes, add_token_routes
 from prefixcache.server.messages import prepare_messages
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.prepare import (
@@ -69,7 +70,7 @@ MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
     admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
-    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES}),
+    metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES, *LOOKUP_PATHS}),
 )
 
 
@@ -132,8 +133,7 @@ def create_app(
     if publisher is not None:
         server.metrics.registry.register(publisher.collector())
     _add_routes(app, server)
-    bodies = [ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest]
-    openapi.install(app, bodies, lambda: model_name)
+    openapi.install(app, openapi.REQUEST_BODIES, lambda: model_name)
     install_front(app, app.router.routes, tenants, ROUTES, limits, server.in_flight)
     return app
 
@@ -239,6 +239,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def reset() -> dict:
         """Drop every cached block, if none is in use (admin keys only)."""
         return await server.async_engine.run_in_engine(_reset_report)
+
+    add_token_routes(app, server)
+    add_stored_routes(app, server)
 
 
 def _model_card(server: Server) -> dict:

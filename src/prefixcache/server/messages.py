@@ -10,14 +10,14 @@ character where that block's text ends in the rendered prompt.
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from prefixcache.cache.retention import Keep
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol import tool_prompt
 from prefixcache.protocol.anthropic_blocks import TOOLS, Breakpoint, conversation
-from prefixcache.protocol.anthropic_schemas import MessagesRequest
+from prefixcache.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
 from prefixcache.protocol.anthropic_tools import openai_tool_choice
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS
 from prefixcache.protocol.constraints import Constraint
@@ -28,6 +28,7 @@ from prefixcache.server.anthropic_format import MessageShape
 from prefixcache.server.prepare import (
     PrepareContext,
     Prepared,
+    ToolRules,
     check_room,
     check_tokens,
     compiled,
@@ -43,6 +44,44 @@ MARK = "\ue000"  # a private-use character: where a breakpoint falls in the rend
 def prepare_messages(raw: bytes, ctx: PrepareContext) -> Prepared:
     """A Messages body: checked, templated, tokenized, its breakpoints as retention asks."""
     body: MessagesRequest = parse_body(raw, MessagesRequest, ctx)  # type: ignore[assignment]
+    built = message_prompt(body, ctx)
+    prompt = built.prompt
+    check_tokens([prompt], ctx, "messages")
+    check_room(body.max_tokens, [prompt], ctx.context)
+    keeps = tuple(
+        Keep(tokens_before(built.token_ends, end), ANTHROPIC_TTLS[mark.ttl], mark.ttl)
+        for mark, end in zip(built.marks, built.mark_ends, strict=True)
+    )
+    shape = MessageShape(
+        f"msg_{uuid.uuid4().hex}", body.model, ctx.tokenizer, body.stop_sequences, keeps,
+        ctx.block_size, tool_names=built.rules.names,
+    )  # fmt: skip
+    sampling = _sampling(body, compiled(built.rules.constraint, ctx, "tools"))
+    return Prepared(body, [prompt], sampling, shape, keeps)  # type: ignore[arg-type]
+
+
+def count_message_tokens(raw: bytes, ctx: PrepareContext) -> dict:
+    """``POST /v1/messages/count_tokens``: the prompt tokens ``/v1/messages`` would prefill
+    for the same body (counted even past the context, so a client sees by how much)."""
+    body = parse_body(raw, CountTokensRequest, ctx)  # type: ignore[assignment]
+    return {"input_tokens": len(message_prompt(body, ctx).prompt)}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePrompt:
+    """A Messages body's prompt: its token ids, where each token ends (characters), the
+    breakpoints and where each falls, and the tools' rules."""
+
+    prompt: list[int]
+    token_ends: list[int]
+    marks: list[Breakpoint]
+    mark_ends: list[int]
+    rules: ToolRules
+
+
+def message_prompt(body: MessagesRequest, ctx: PrepareContext) -> MessagePrompt:
+    """The one way a Messages body becomes prompt tokens (tools, calls and results
+    included); 400 naming the field for a bad tool choice or too many characters."""
     tools = [t.function() for t in body.tools]
     choice, parallel = openai_tool_choice(body.tool_choice, {t.name for t in tools})
     rules = tool_rules(tools, choice, parallel, "tool_choice")
@@ -52,20 +91,8 @@ def prepare_messages(raw: bytes, ctx: PrepareContext) -> Prepared:
         raise ApiError(400, too_many_chars("messages", chars, ctx), "messages")
     text, ends = render(ctx.tokenizer, turns, tools, marks)
     encoding = ctx.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0]
-    prompt = list(encoding.ids)
-    check_tokens([prompt], ctx, "messages")
-    check_room(body.max_tokens, [prompt], ctx.context)
     token_ends = [end for _, end in encoding.offsets]
-    keeps = tuple(
-        Keep(tokens_before(token_ends, end), ANTHROPIC_TTLS[mark.ttl], mark.ttl)
-        for mark, end in zip(marks, ends, strict=True)
-    )
-    shape = MessageShape(
-        f"msg_{uuid.uuid4().hex}", body.model, ctx.tokenizer, body.stop_sequences, keeps,
-        ctx.block_size, tool_names=rules.names,
-    )  # fmt: skip
-    sampling = _sampling(body, compiled(rules.constraint, ctx, "tools"))
-    return Prepared(body, [prompt], sampling, shape, keeps)  # type: ignore[arg-type]
+    return MessagePrompt(list(encoding.ids), token_ends, marks, ends, rules)
 
 
 def render(

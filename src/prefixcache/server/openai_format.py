@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
+from prefixcache.server.tool_parse import ToolStream, content_of, cut_short, new_call_id, scan
 
 if TYPE_CHECKING:  # annotations only: the preparation processes import this without torch
     from prefixcache.engine.logprobs import Logprob
@@ -119,7 +119,7 @@ class _ChoiceWriter:
         """The assistant message (its tool calls parsed out) and the finish reason."""
         if self.shape.tool_names is None:
             return {"role": "assistant", "content": o.text}, _finish(o.finish_reason)
-        found = scan(o.text, self.shape.tool_names, final=True)
+        found = scan(o.text, self.shape.tool_names, final=True, cut=cut_short(o.finish_reason))
         message: dict = {"role": "assistant", "content": content_of(found)}
         if not found.complete_calls:
             return message, _finish(o.finish_reason)
@@ -131,7 +131,7 @@ class _ChoiceWriter:
             }
             for c in found.complete_calls
         ]
-        return message, "tool_calls"
+        return message, found.finish_reason(_finish(o.finish_reason))
 
     def echo_text(self) -> str:
         return "" if self.shape.echo is None else self.shape.echo[self.part]
@@ -240,10 +240,11 @@ class StreamFormatter:
         i = writer.index(o)
         stream = self.tools[i]
         finished = o.finish_reason is not None and not self.sent_finish[i]
-        deltas = [_tool_delta(event) for event in stream.update(o.text, finished)]
+        cut = finished and cut_short(o.finish_reason)
+        deltas = [_tool_delta(event) for event in stream.update(o.text, finished, cut)]
         entries = (o.logprobs or [])[self.sent_tokens[i] :] if self.shape.logprobs else []
         if finished:
-            reason = "tool_calls" if stream.ids else _finish(o.finish_reason)
+            reason = stream.last.finish_reason(_finish(o.finish_reason))
         if not deltas and (entries or finished):
             deltas = [{}]
         self.sent_tokens[i] += len(entries)

@@ -75,15 +75,21 @@ def prepare_chat(raw: bytes, ctx: PrepareContext) -> Prepared:
     body = parse_body(raw, ChatCompletionRequest, ctx)
     tools = [t.function for t in body.tools]
     rules = tool_rules(tools, body.tool_choice, body.parallel_tool_calls, "tool_choice")
-    turns = tool_prompt.chat_turns(body.messages)
+    prompts = [chat_prompt(ctx, body.messages, tools)]
+    shape = _shape(body, ctx, chat=True)
+    shape.tool_names = rules.names
+    return Prepared(body, prompts, _sampling(body, prompts, ctx, rules.constraint), shape)
+
+
+def chat_prompt(ctx: PrepareContext, messages: list, tools: list) -> list[int]:
+    """The one way chat messages (and their tools) become prompt tokens; 400 naming the
+    field for a tool result that answers no call, or a prompt past the context."""
+    turns = tool_prompt.chat_turns(messages)
     lost = tool_prompt.unanswerable(turns)
     if lost is not None:
         field = f"messages.{lost}.tool_call_id"
         raise ApiError(400, f"{field}: answers no tool call of an earlier message", field)
-    prompts = [render_prompt(ctx, turns, tools, "messages")]
-    shape = _shape(body, ctx, chat=True)
-    shape.tool_names = rules.names
-    return Prepared(body, prompts, _sampling(body, prompts, ctx, rules.constraint), shape)
+    return render_prompt(ctx, turns, tools, "messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +145,7 @@ def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
     for i, prompt in enumerate(body.prompt):
         _check_prompt_size(i, prompt, ctx)
     texts = [p for p in body.prompt if isinstance(p, str)]
-    encoded = iter([ctx.tokenizer.encode(text, add_special_tokens=True) for text in texts])
+    encoded = iter([completion_tokens(ctx, text) for text in texts])
     prompts = [next(encoded) if isinstance(p, str) else p for p in body.prompt]
     check_tokens(prompts, ctx, "prompt")
     shape = _shape(body, ctx, chat=False)
@@ -149,6 +155,11 @@ def prepare_completion(raw: bytes, ctx: PrepareContext) -> Prepared:
             for p in body.prompt
         ]
     return Prepared(body, prompts, _sampling(body, prompts, ctx), shape)
+
+
+def completion_tokens(ctx: PrepareContext, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's ids as a completion prefills them (its BOS included)."""
+    return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def parse_body(raw: bytes, schema: type[BaseModel], ctx: PrepareContext) -> SamplingFields:
@@ -161,7 +172,7 @@ def parse_body(raw: bytes, schema: type[BaseModel], ctx: PrepareContext) -> Samp
     unsupported = body.unsupported_field()
     if unsupported:
         raise ApiError(400, unsupported[1], unsupported[0])
-    if body.model != ctx.model_name:
+    if body.model is not None and body.model != ctx.model_name:  # None: optional, unset
         raise ApiError(404, no_such_model(body.model, ctx.model_name), "model")
     return body
 
@@ -191,10 +202,15 @@ def _check_prompt_size(index: int, prompt: str | list[int], ctx: PrepareContext)
         if len(prompt) > ctx.max_prompt_chars:
             raise ApiError(400, too_many_chars(f"prompt {index}", len(prompt), ctx), "prompt")
         return
-    bad = next((t for t in prompt if t >= ctx.vocab_size), None)
+    check_vocabulary(prompt, ctx, f"prompt {index}", "prompt")
+
+
+def check_vocabulary(ids: list[int], ctx: PrepareContext, name: str, field: str) -> None:
+    """400 naming ``field`` for the first id outside the model's vocabulary."""
+    bad = next((t for t in ids if t >= ctx.vocab_size), None)
     if bad is not None:
-        message = f"prompt {index}: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})"
-        raise ApiError(400, message, "prompt")
+        message = f"{name}: token id {bad} is outside the vocabulary [0, {ctx.vocab_size})"
+        raise ApiError(400, message, field)
 
 
 def check_tokens(prompts: Prompts, ctx: PrepareContext, param: str) -> None:

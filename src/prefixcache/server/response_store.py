@@ -1,17 +1,20 @@
-"""Stored responses for ``previous_response_id``: in memory, per tenant, bounded, with a TTL.
+"""Stored responses for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``:
+in memory, per tenant, bounded, with a TTL.
 
-An entry is a conversation (its turns, the response's output last) and token counts; it is
-never logged or exported. Another tenant's id, an expired one and one made with
-``store: false`` are all simply absent.
+An entry is a conversation (its turns, the response's output last), token counts, the
+response object as it was answered and its input items; it is never logged or exported.
+Another tenant's id, an expired one, a deleted one and one made with ``store: false`` are
+all simply absent.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixcache.protocol.response_ids import new_instance, response_id
 from prefixcache.protocol.tool_prompt import Turn
@@ -28,6 +31,8 @@ class Stored:
     output_tokens: int
     expires: float
     chars: int
+    response: dict  # the response object, as answered
+    input_items: tuple[dict, ...] = ()  # its own input, as items with ids
 
 
 class ResponseStore:
@@ -47,13 +52,16 @@ class ResponseStore:
         self._chars: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def put(
-        self, tenant: str, response_id: str, turns: list[Turn], counts: tuple[int, int]
-    ) -> None:
+    def put(self, tenant: str, response_id: str, record: Record) -> None:
         """Keep a response; the tenant's oldest beyond the bounds are dropped (a conversation
         larger than the whole character bound is not kept)."""
+        turns = record.turns
         chars = sum(len(t.content) + sum(len(c.arguments) for c in t.calls) for t in turns)
-        entry = Stored(tuple(turns), counts[0], counts[1], self.clock() + self.ttl, chars)
+        chars += len(json.dumps([record.response, record.input_items]))
+        expires = self.clock() + self.ttl
+        entry = Stored(
+            tuple(turns), *record.counts, expires, chars, record.response, tuple(record.input_items)
+        )
         with self._lock:
             entries = self._by_tenant.setdefault(tenant, OrderedDict())
             self._chars[tenant] = self._chars.get(tenant, 0) + chars
@@ -73,6 +81,16 @@ class ResponseStore:
                 self._chars[tenant] -= entry.chars
                 return None
             return entry
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        """Forget the tenant's response of that id; whether it was there (and live)."""
+        if self.get(tenant, response_id) is None:
+            return False
+        with self._lock:
+            entry = self._by_tenant[tenant].pop(response_id, None)
+            if entry is not None:
+                self._chars[tenant] -= entry.chars
+            return entry is not None
 
     def new_id(self) -> str:
         """An id for a new response: this replica's instance, then a random part."""
@@ -95,5 +113,18 @@ class TenantResponses:
     def new_id(self) -> str:
         return self.store.new_id()
 
-    def put(self, response_id: str, turns: list[Turn], counts: tuple[int, int]) -> None:
-        self.store.put(self.tenant, response_id, turns, counts)
+    def put(self, response_id: str, record: Record) -> None:
+        self.store.put(self.tenant, response_id, record)
+
+    def delete(self, response_id: str) -> bool:
+        return self.store.delete(self.tenant, response_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What a finished response saves: its conversation, counts, object and input items."""
+
+    turns: list[Turn]
+    counts: tuple[int, int]  # input and output tokens
+    response: dict
+    input_items: list[dict] = field(default_factory=list)

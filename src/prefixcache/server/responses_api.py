@@ -23,7 +23,7 @@ from prefixcache.server.prepare import (
     tool_rules,
 )
 from prefixcache.server.response_store import TenantResponses
-from prefixcache.server.responses_format import ResponsesShape
+from prefixcache.server.responses_format import ResponsesShape, input_items
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -61,6 +61,7 @@ def prepare_responses(raw: bytes, ctx: PrepareContext, view: TenantResponses) ->
         _echo(body),
         rules.names,
         view.put if body.store else None,
+        input_items(body.input) if body.store else [],
         ctx.tokenizer,
     )
     return Prepared(body, [prompt], params, shape)  # type: ignore[arg-type]

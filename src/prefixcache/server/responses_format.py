@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 from prefixcache.engine.request import RequestOutput
 from prefixcache.protocol.tool_prompt import Call, Turn
-from prefixcache.server.tool_parse import ToolStream, content_of, new_call_id, scan
+from prefixcache.server.response_store import Record
+from prefixcache.server.tool_parse import ToolStream, content_of, cut_short, new_call_id, scan
 
-Save = Callable[[str, list[Turn], tuple[int, int]], None]
+Save = Callable[[str, Record], None]
 
 
 def new_id(prefix: str) -> str:
@@ -34,6 +35,7 @@ class ResponsesShape:
     echo: dict  # request fields a response repeats (instructions, tools, ...)
     tool_names: frozenset[str] | None = None
     save: Save | None = None  # None: store is false
+    input_items: list[dict] = field(default_factory=list)  # ``input`` as items (stored)
     tokenizer: object = None
     created: int = field(default_factory=lambda: int(time.time()))
     chat: bool = False
@@ -43,7 +45,8 @@ class ResponsesShape:
     def respond(self, parts: Sequence[RequestOutput]) -> dict:
         """The whole response of a finished request (saved first)."""
         output = parts[0].outputs[0]
-        found = scan(output.text, self.tool_names or frozenset(), final=True)
+        cut = cut_short(output.finish_reason)
+        found = scan(output.text, self.tool_names or frozenset(), final=True, cut=cut)
         items: list[dict] = []
         text = content_of(found) if self.tool_names else output.text
         if text is not None and (text or not found.complete_calls):
@@ -55,15 +58,17 @@ class ResponsesShape:
     def finish(self, part: RequestOutput, items: list[dict]) -> dict:
         """The response object with ``items`` as its output; saved unless store is false."""
         counts = (len(part.prompt_token_ids), len(part.outputs[0].token_ids))
-        if self.save is not None:
-            self.save(self.request_id, [*self.turns, output_turn(items)], counts)
         incomplete = part.outputs[0].finish_reason == "length"
-        return self.body(
+        response = self.body(
             "incomplete" if incomplete else "completed",
             items,
             usage(part),
             {"reason": "max_output_tokens"} if incomplete else None,
         )
+        if self.save is not None:
+            turns = [*self.turns, output_turn(items)]
+            self.save(self.request_id, Record(turns, counts, response, self.input_items))
+        return response
 
     def body(
         self, status: str, items: list[dict], used: dict | None, incomplete: dict | None = None
@@ -108,6 +113,34 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status="com
         "arguments": arguments,
         "status": status,
     }
+
+
+def input_items(value: str | list) -> list[dict]:
+    """A request's ``input`` (already checked by ``responses_api.input_turns``) as the items
+    ``GET /v1/responses/{id}/input_items`` lists, each with an id."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    return [_input_item(item) for item in value]
+
+
+def _input_item(item: dict) -> dict:
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        fields = {k: item[k] for k in ("call_id", "name", "arguments")}
+        return {"type": kind, "id": new_id("fc"), **fields, "status": "completed"}
+    if kind == "function_call_output":
+        output = item["output"]
+        if isinstance(output, list):
+            output = "".join(part["text"] for part in output)
+        fields = {"call_id": item["call_id"], "output": output}
+        return {"type": kind, "id": new_id("fco"), **fields, "status": "completed"}
+    role, content = item["role"], item["content"]
+    texts = [content] if isinstance(content, str) else [part["text"] for part in content]
+    part_type = "output_text" if role == "assistant" else "input_text"
+    extra = {"annotations": []} if role == "assistant" else {}
+    parts = [{"type": part_type, "text": text, **extra} for text in texts]
+    return {"type": "message", "id": new_id("msg"), "role": role, "content": parts,
+            "status": "completed"}  # fmt: skip
 
 
 def output_turn(items: list[dict]) -> Turn:
@@ -164,7 +197,8 @@ class ResponsesStream:
             delta = completion.text[sent:]
             events = [("text", delta)] if delta else []
         else:
-            events = self.tools.update(completion.text, final)
+            cut = final and cut_short(completion.finish_reason)
+            events = self.tools.update(completion.text, final, cut)
         out = [e for event in events for e in self._on(event)]
         if final:
             if not self.items and self.open is None:  # no text at all: an empty message

@@ -41,9 +41,24 @@ class Scan:
     def complete_calls(self) -> list[ParsedCall]:
         return [c for c in self.calls if c.complete]
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``"tool_calls"`` once the text made complete calls and none was cut short (even
+        if ``max_tokens`` ended it just after them); otherwise the engine's ``reason``."""
+        return "tool_calls" if reason is not None and self.made_calls else reason
 
-def scan(text: str, names: frozenset[str], final: bool) -> Scan:
-    """Content and calls of ``text``; ``final=False``: a prefix, more may follow."""
+    @property
+    def made_calls(self) -> bool:
+        """Complete calls, and none cut short after them."""
+        return bool(self.complete_calls) and all(c.complete for c in self.calls)
+
+
+def scan(text: str, names: frozenset[str], final: bool, cut: bool = False) -> Scan:
+    """Content and calls of ``text``; ``final=False``: a prefix, more may follow.
+
+    ``cut``: the text is final but was cut short (by ``max_tokens``): a call tag it left
+    open, and a tag it was opening, are not content (a call whose name was complete is a
+    partial call).
+    """
     content: list[str] = []
     calls: list[ParsedCall] = []
     pos = 0
@@ -51,17 +66,17 @@ def scan(text: str, names: frozenset[str], final: bool) -> Scan:
         start = text.find(TOOL_CALL_OPEN, pos)
         if start < 0:
             tail = text[pos:]
-            content.append(tail if final else tail[: releasable_length(tail, [TOOL_CALL_OPEN])])
+            whole = final and not cut
+            content.append(tail if whole else tail[: releasable_length(tail, [TOOL_CALL_OPEN])])
             break
         content.append(text[pos:start])
         body = start + len(TOOL_CALL_OPEN)
         end = text.find(TOOL_CALL_CLOSE, body)
         if end < 0:
-            if final:
-                content.append(text[start:])
-            else:
-                partial = _partial_call(text[body:], names)
-                calls.extend([partial] if partial else [])
+            partial = _partial_call(text[body:], names) if cut or not final else None
+            calls.extend([partial] if partial else [])
+            if final and not cut:
+                content.append(text[start:])  # never closed: text after all
             break
         call = _complete_call(text[body:end], names)
         if call is None:
@@ -143,14 +158,16 @@ class ToolStream:
     ids: list[str] = field(default_factory=list)
     sent_arguments: list[int] = field(default_factory=list)
     id_prefix: str = "call"  # Anthropic's are "toolu"
+    last: Scan = field(default_factory=lambda: Scan(""))  # the latest scan of the text
 
-    def update(self, text: str, final: bool) -> list[tuple]:
+    def update(self, text: str, final: bool, cut: bool = False) -> list[tuple]:
         """New events: ("text", delta), ("call", index, id, name), ("arguments", index, delta).
 
         Content that is only whitespace waits (before calls it is dropped, as in the
-        non-streamed answer); an announced call is never taken back.
+        non-streamed answer); an announced call is never taken back (``cut``: as ``scan``;
+        ``self.last`` then says whether a call was cut short).
         """
-        found = scan(text, self.names, final)
+        found = self.last = scan(text, self.names, final, cut)
         events: list[tuple] = []
         if found.content.strip() or (final and not found.calls and not self.ids):
             delta = found.content[self.sent_content :]
@@ -174,3 +191,8 @@ def content_of(found: Scan) -> str | None:
     if found.complete_calls and not found.content.strip():
         return None
     return found.content
+
+
+def cut_short(finish_reason: object) -> bool:
+    """Whether ``max_tokens`` ended a completion (so a call it was writing is cut short)."""
+    return finish_reason is not None and str(finish_reason) == "length"
