@@ -32,6 +32,7 @@ DEADLINE = SHUTDOWN + TEARDOWN_SECONDS  # what a server promises, whatever hangs
 STOP_FLAGS = ("--shutdown-timeout", str(SHUTDOWN))  # route's and cluster's
 PROMPT = "The ferry leaves at noon from pier four. " * 12  # ~100 tokens: 25 blocks of 4
 CELLS = [(sig, group) for sig in (signal.SIGINT, signal.SIGTERM) for group in (False, True)]
+TRIES = 6  # runs of a racy cell: (2/3)**6 < 9 %, the odds of missing a 1-in-3 race
 
 
 @dataclass(frozen=True)
@@ -280,13 +281,11 @@ def cluster_cell(work: Path, model: Path, sig: int, group: bool) -> Outcome:
 
 
 def test_cluster_stops_on_every_signal(tmp_path, model) -> None:
-    outcomes = run_cells(CELLS, lambda sig, group: cluster_cell(tmp_path, model, sig, group))
-    killed = [o for o in outcomes if o.status == -signal.SIGINT]
-    others = [o for o in outcomes if o not in killed]
-    assert_clean(others)
-    assert all(not o.left and not o.traceback for o in killed), killed
-    if killed:  # stopped in time, nothing left, but status -2 (about 1 stop in 8): open
-        pytest.xfail(f"known, cause not found yet: cluster exited -2 in {killed}")
+    """Each cell six times: a race hitting one stop in three shows with 91 % odds in one cell
+    (in all 24 runs if it hits every cell). It did: a signal landing in a dataclass's
+    generated code during an import made CPython exit -2 after a clean stop (about 1 in 8)."""
+    cells = [cell for cell in CELLS for _ in range(TRIES)]
+    assert_clean(run_cells(cells, lambda sig, group: cluster_cell(tmp_path, model, sig, group)))
 
 
 def test_a_sigkilled_cluster_leaves_no_replica_or_router(tmp_path, model) -> None:

@@ -31,6 +31,17 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def forget_caught_interrupts() -> None:
+    """Clear CPython's "unhandled KeyboardInterrupt" mark before exiting.
+
+    CPython (3.11, 3.12) sets it whenever a KeyboardInterrupt leaves code run by ``exec`` or
+    ``eval`` of a string (dataclasses and namedtuple build their methods so, e.g. during an
+    import), even when a caller catches it; under ``python -m`` the interpreter then ends by
+    killing itself with SIGINT (status -2) whatever the exit code. Every string evaluation
+    clears the mark first, so an empty one does."""
+    exec("")  # a constant empty string: the reset is the point
+
+
 def exit_after(seconds: float, code: int, before: Callable[[], None] | None = None) -> None:
     """End this process with ``code`` after ``seconds`` unless it ended already: the bound on a
     shutdown whatever it waits on (``before`` runs first, e.g. to kill worker processes)."""
