@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
 from prefixcache.shutdown import TEARDOWN_SECONDS
 from process_fixtures import descendants, exit_within, send, survivors
@@ -271,22 +273,61 @@ def body_after_the_signal(url: str, path: str = "/v1/completions"):
     return send_body
 
 
-def test_sigterm_mid_stream_ends_it_with_an_error_event_and_the_disk_tier_restarts_clean(
-    tmp_path, model
-) -> None:
-    """SIGTERM to the group while two streams run (OpenAI's, Anthropic's) and their blocks go
-    to the disk tier, and a request's body is still to come: each stream ends with its
-    error event, the late request gets a 503, the server exits 0 leaving nothing; a
+class Subscriber:
+    """A ZMQ SUB on a server's KV events, read in a thread: (topic, seq) of every batch."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        self.sock.connect(endpoint)
+        self.batches: list[tuple[str, int]] = []
+        self.done = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while not self.done.is_set():
+            if self.sock.poll(50):
+                topic, seq, _ = self.sock.recv_multipart()
+                self.batches.append((topic.decode(), int.from_bytes(seq, "big")))
+
+    def close(self) -> None:
+        self.done.set()
+        self.reader.join(5)  # a socket is one thread's at a time: close it once it is done
+        self.sock.close(linger=0)
+
+
+def assert_every_batch_received(subscriber: Subscriber, log_text: str) -> None:
+    """The subscriber gets the last epoch's batches without a gap up to the last, which the log
+    names when the socket closed (waited for: the frames may still be on their way)."""
+    closed = re.search(r"KV events socket closed .* topic (\S+) ends at seq (\d+)", log_text)
+    assert closed, log_text[-2000:]
+    topic, last = closed.group(1), int(closed.group(2))
+    try:
+        wait_until(lambda: (topic, last) in subscriber.batches, 5, "the last batch")
+    finally:
+        subscriber.close()
+    seqs = [seq for name, seq in subscriber.batches if name == topic]  # joined late: no 0
+    assert seqs == list(range(seqs[0], last + 1)), (topic, last, seqs[-5:], len(seqs))
+
+
+def test_sigterm_mid_stream_loses_nothing(tmp_path, model) -> None:
+    """SIGTERM to the group while two streams run (OpenAI's, Anthropic's), their blocks go to
+    the disk tier and their KV events to a subscriber, and a request's body is still to
+    come: each stream ends with its error event, the late request gets a 503, the
+    subscriber has every batch up to the last, the server exits 0 leaving nothing; a
     restart on the same tier loads its blocks, rejects none, and serves the same prompt."""
     tier = tmp_path / "tier"
-    port = free_port()
-    extra = ("--kv-tier", f"disk:{tier}")
+    port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    extra = ("--kv-tier", f"disk:{tier}", "--kv-events", events)
     log = tmp_path / "first.log"
     process = launch(serve_command(model, port, *extra), log)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: answers(url, process), 60, "the server")
+    subscriber = Subscriber(events)
     streams = [Stream(url), Stream(url, "/v1/messages", ANTHROPIC_STREAM)]
     wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")
+    wait_until(lambda: subscriber.batches, 10, "a batch of KV events")
     late = body_after_the_signal(url)
     family = descendants(process.pid)
     send(process, signal.SIGTERM, True)
@@ -294,6 +335,7 @@ def test_sigterm_mid_stream_ends_it_with_an_error_event_and_the_disk_tier_restar
     refused = late()
     outcome = settle(process, log, signal.SIGTERM, True, family, DEADLINE)
     assert outcome.clean, outcome
+    assert_every_batch_received(subscriber, log.read_text())
     assert refused.status == 503 and "shutting down" in refused.error()["message"], refused
     for stream in streams:
         assert_cut_with_an_error_event(stream, "shutting down")
