@@ -2,7 +2,7 @@
 chosen moments: within its deadline, status 0, no traceback, and no process of ours left
 (read from /proc). Each moment is an event the test waits for, not a sleep (issue 38).
 
-`prefixcache ray` is left out: a Ray start takes ~20 s (tests/test_ray_serve.py covers it).
+`prefixcache ray` has a module of its own (tests/test_ray_stop.py): a Ray start takes ~15 s.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,74 +26,24 @@ from process_fixtures import descendants, exit_within, send, survivors
 from raw_http import Reply, connect, head, read_reply
 from router_fixtures import wait_until, write_tiny_hf_model
 from server_fixtures import free_port
+from stop_fixtures import (
+    Outcome,
+    assert_clean,
+    launch,
+    nothing_left_running,  # noqa: F401 - a fixture the tests use
+    prefixcache,
+    run_cells,
+    settle,
+    stop,
+)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("nothing_left_running")]
 SHUTDOWN = 1.0  # --shutdown-timeout given to every server
 DEADLINE = SHUTDOWN + TEARDOWN_SECONDS  # what a server promises, whatever hangs
 STOP_FLAGS = ("--shutdown-timeout", str(SHUTDOWN))  # route's and cluster's
 PROMPT = "The ferry leaves at noon from pier four. " * 12  # ~100 tokens: 25 blocks of 4
 CELLS = [(sig, group) for sig in (signal.SIGINT, signal.SIGTERM) for group in (False, True)]
 TRIES = 6  # runs of a racy cell: (2/3)**6 < 9 %, the odds of missing a 1-in-3 race
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one cell ended: exit status ("hang" if not within the deadline), seconds taken,
-    processes of ours still running afterwards, and whether a traceback was printed."""
-
-    cell: str
-    status: int | str
-    seconds: float
-    left: tuple[str, ...]
-    traceback: bool
-
-    @property
-    def clean(self) -> bool:
-        return self.status == 0 and not self.left and not self.traceback
-
-
-def cell_name(sig: int, group: bool) -> str:
-    return f"{signal.Signals(sig).name} to {'group' if group else 'process'}"
-
-
-def launch(command: list[str], log: Path, **options) -> subprocess.Popen:
-    """``command`` in a session of its own (so a group signal reaches it and its children
-    only), its output to ``log``."""
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **options,
-        )  # fmt: skip
-    LAUNCHED.append(process)
-    return process
-
-
-def stop(process: subprocess.Popen, log: Path, sig: int, group: bool, deadline: float) -> Outcome:
-    """Signal it at this moment; how it ended (its children given a second to go)."""
-    family = descendants(process.pid)
-    send(process, sig, group)
-    return settle(process, log, sig, group, family, deadline)
-
-
-def settle(
-    process: subprocess.Popen, log: Path, sig: int, group: bool, family: dict, deadline: float
-) -> Outcome:
-    """How ``process``, signalled, ended: ``family`` (its descendants before the signal)
-    are given a second to go."""
-    status, seconds = exit_within(process, deadline)
-    left: list[str] = survivors(family)
-    until = time.monotonic() + 1.0
-    while left and time.monotonic() < until:
-        time.sleep(0.05)
-        left = survivors(family)
-    text = log.read_text(errors="replace")
-    return Outcome(
-        cell_name(sig, group), status, round(seconds, 1), tuple(left), "Traceback" in text
-    )
-
-
-def prefixcache(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "prefixcache.cli", *arguments]
 
 
 def serve_command(model: Path, port: int, *extra: str) -> list[str]:
@@ -132,39 +79,6 @@ def has_torch(pid: int) -> bool:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return False
-
-
-def run_cells(cells: list, function) -> list[Outcome]:
-    """``function(*cell)`` for every cell, two at a time (the machine has 2 cores); every
-    process a cell started is killed at the end, whatever happened."""
-    with ThreadPoolExecutor(2) as pool:
-        try:
-            return list(pool.map(lambda cell: function(*cell), cells))
-        finally:
-            kill_launched()
-
-
-LAUNCHED: list[subprocess.Popen] = []
-
-
-def kill_launched() -> None:
-    """SIGKILL to the group of every process these tests launched that still runs."""
-    for process in LAUNCHED:
-        if process.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    LAUNCHED.clear()
-
-
-@pytest.fixture(autouse=True)
-def _nothing_left_running():
-    yield
-    kill_launched()
-
-
-def assert_clean(outcomes: list[Outcome]) -> None:
-    assert all(o.clean for o in outcomes), "\n".join(map(str, outcomes))
 
 
 @pytest.fixture(scope="module")
