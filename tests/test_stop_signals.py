@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -283,10 +284,10 @@ def test_route_stops_on_every_signal(tmp_path) -> None:
 
 
 def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, model) -> None:
-    """SIGTERM to the router's group while an OpenAI and an Anthropic stream run through it
-    and a request's body is still to come: the streams end with their error events (not a
-    dropped connection), the late request gets a 503, the router exits 0, and the replica,
-    whose streams the router closed, still serves."""
+    """SIGTERM to the router's group while an OpenAI and an Anthropic stream and a whole
+    answer run through it and a request's body is still to come: the streams end with their
+    error events (not a dropped connection), the answer and the late request get a 503, the
+    router exits 0, and the replica, whose requests the router closed, still serves."""
     replica_url = f"http://127.0.0.1:{free_port()}"
     replica = launch(serve_command(model, int(replica_url.rsplit(":", 1)[1])), tmp_path / "r.log")
     wait_until(lambda: answers(replica_url, replica), 60, "the replica")
@@ -298,6 +299,9 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
         ), log,
     )  # fmt: skip  # its streams are cut 0.3 s after the signal: ~0.8 s of tokens to come
     wait_until(lambda: answers(url, router) and healthy(url), 60, "the router's replica")
+    whole = ThreadPoolExecutor(1).submit(
+        httpx.post, f"{url}/v1/completions", json=OPENAI_STREAM, timeout=30
+    )  # sent first: under way at the signal too
     streams = [Stream(url), Stream(url, "/v1/messages", ANTHROPIC_STREAM)]
     wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")
     late = body_after_the_signal(url)
@@ -309,6 +313,9 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
     assert refused.status == 503 and "shutting down" in refused.error()["message"], refused
     for stream in streams:
         assert_cut_with_an_error_event(stream, "the router is shutting down")
+    answer = whole.result(10)
+    assert answer.status_code == 503, answer.text
+    assert "the router is shutting down" in answer.json()["error"]["message"], answer.text
     body = {"model": "tiny", "prompt": "still there?", "max_tokens": 2}
     assert httpx.post(f"{replica_url}/v1/completions", json=body, timeout=30).status_code == 200
     assert_clean([stop(replica, tmp_path / "r.log", signal.SIGINT, False, DEADLINE)])

@@ -220,12 +220,16 @@ class Forwarder:
     async def _read_unless_gone(self, upstream: httpx.Response, request: Request) -> bytes | None:
         """The body; None if the client went away first (the replica then aborts the request)."""
         read = asyncio.ensure_future(upstream.aread())
-        while not read.done():
-            await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
-            if not read.done() and await request.is_disconnected():
+        try:
+            while not read.done():
+                await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
+                if not read.done() and await request.is_disconnected():
+                    return None
+            return read.result()
+        finally:  # gone, or cut at the shutdown deadline: the read goes too
+            if not read.done():
                 read.cancel()
-                return None
-        return read.result()
+                await asyncio.wait({read})
 
     async def _relay(
         self, ticket: Ticket, upstream: httpx.Response, route: RouteLog, path: str
