@@ -295,9 +295,9 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
     router = launch(
         prefixcache(
             "route", "--port", url.rsplit(":", 1)[1], "--policy", "round-robin",
-            "--shutdown-timeout", "0.6", "--replica", replica_url,
+            *STOP_FLAGS, "--replica", replica_url,
         ), log,
-    )  # fmt: skip  # its streams are cut 0.3 s after the signal: ~0.8 s of tokens to come
+    )  # fmt: skip  # cut 0.5 s after the signal, with ~1 s of tokens to come
     wait_until(lambda: answers(url, router) and healthy(url), 60, "the router's replica")
     whole = ThreadPoolExecutor(1).submit(
         httpx.post, f"{url}/v1/completions", json=OPENAI_STREAM, timeout=30
@@ -308,7 +308,7 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
     send(router, signal.SIGTERM, True)
     wait_until(lambda: "Shutting down" in log.read_text(), 10, "the graceful part")
     refused = late()
-    outcome = settle(router, log, signal.SIGTERM, True, {}, 0.6 + TEARDOWN_SECONDS)
+    outcome = settle(router, log, signal.SIGTERM, True, {}, DEADLINE)
     assert outcome.clean, (outcome, log.read_text()[-2000:])
     assert refused.status == 503 and "shutting down" in refused.error()["message"], refused
     for stream in streams:
