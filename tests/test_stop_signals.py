@@ -2,7 +2,7 @@
 chosen moments: within its deadline, status 0, no traceback, and no process of ours left
 (read from /proc). Each moment is an event the test waits for, not a sleep (issue 38).
 
-`prefixcache ray` is left out: a Ray start takes ~20 s (tests/test_ray_serve.py covers it).
+`prefixcache ray` has a module of its own (tests/test_ray_stop.py): a Ray start takes ~15 s.
 """
 
 from __future__ import annotations
@@ -10,80 +10,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
-import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
 from prefixcache.shutdown import TEARDOWN_SECONDS
 from process_fixtures import descendants, exit_within, send, survivors
+from raw_http import Reply, connect, head, read_reply
 from router_fixtures import wait_until, write_tiny_hf_model
 from server_fixtures import free_port
+from stop_fixtures import (
+    Outcome,
+    assert_clean,
+    launch,
+    nothing_left_running,  # noqa: F401 - a fixture the tests use
+    prefixcache,
+    run_cells,
+    settle,
+    stop,
+)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("nothing_left_running")]
 SHUTDOWN = 1.0  # --shutdown-timeout given to every server
 DEADLINE = SHUTDOWN + TEARDOWN_SECONDS  # what a server promises, whatever hangs
 STOP_FLAGS = ("--shutdown-timeout", str(SHUTDOWN))  # route's and cluster's
 PROMPT = "The ferry leaves at noon from pier four. " * 12  # ~100 tokens: 25 blocks of 4
 CELLS = [(sig, group) for sig in (signal.SIGINT, signal.SIGTERM) for group in (False, True)]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one cell ended: exit status ("hang" if not within the deadline), seconds taken,
-    processes of ours still running afterwards, and whether a traceback was printed."""
-
-    cell: str
-    status: int | str
-    seconds: float
-    left: tuple[str, ...]
-    traceback: bool
-
-    @property
-    def clean(self) -> bool:
-        return self.status == 0 and not self.left and not self.traceback
-
-
-def cell_name(sig: int, group: bool) -> str:
-    return f"{signal.Signals(sig).name} to {'group' if group else 'process'}"
-
-
-def launch(command: list[str], log: Path, **options) -> subprocess.Popen:
-    """``command`` in a session of its own (so a group signal reaches it and its children
-    only), its output to ``log``."""
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **options,
-        )  # fmt: skip
-    LAUNCHED.append(process)
-    return process
-
-
-def stop(process: subprocess.Popen, log: Path, sig: int, group: bool, deadline: float) -> Outcome:
-    """Signal it at this moment; how it ended (its children given a second to go)."""
-    family = descendants(process.pid)
-    send(process, sig, group)
-    status, seconds = exit_within(process, deadline)
-    left: list[str] = survivors(family)
-    until = time.monotonic() + 1.0
-    while left and time.monotonic() < until:
-        time.sleep(0.05)
-        left = survivors(family)
-    text = log.read_text(errors="replace")
-    return Outcome(
-        cell_name(sig, group), status, round(seconds, 1), tuple(left), "Traceback" in text
-    )
-
-
-def prefixcache(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "prefixcache.cli", *arguments]
+TRIES = 6  # runs of a racy cell: (2/3)**6 < 9 %, the odds of missing a 1-in-3 race
 
 
 def serve_command(model: Path, port: int, *extra: str) -> list[str]:
@@ -104,6 +65,10 @@ def answers(url: str, process: subprocess.Popen) -> bool:
         return False
 
 
+def healthy(url: str) -> bool:
+    return httpx.get(f"{url}/health", timeout=1).status_code == 200
+
+
 def starting_worker(pid: int) -> bool:
     """A preparation worker process of ``pid`` exists (it may still be starting)."""
     return any("spawn_main" in command for command in descendants(pid).values())
@@ -115,39 +80,6 @@ def has_torch(pid: int) -> bool:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return False
-
-
-def run_cells(cells: list, function) -> list[Outcome]:
-    """``function(*cell)`` for every cell, two at a time (the machine has 2 cores); every
-    process a cell started is killed at the end, whatever happened."""
-    with ThreadPoolExecutor(2) as pool:
-        try:
-            return list(pool.map(lambda cell: function(*cell), cells))
-        finally:
-            kill_launched()
-
-
-LAUNCHED: list[subprocess.Popen] = []
-
-
-def kill_launched() -> None:
-    """SIGKILL to the group of every process these tests launched that still runs."""
-    for process in LAUNCHED:
-        if process.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    LAUNCHED.clear()
-
-
-@pytest.fixture(autouse=True)
-def _nothing_left_running():
-    yield
-    kill_launched()
-
-
-def assert_clean(outcomes: list[Outcome]) -> None:
-    assert all(o.clean for o in outcomes), "\n".join(map(str, outcomes))
 
 
 @pytest.fixture(scope="module")
@@ -192,43 +124,136 @@ def test_serve_stops_while_it_loads_its_model(tmp_path, model) -> None:
     assert_clean(outcomes)
 
 
-def stream_lines(url: str, sent: list[str], first: list[bool]) -> None:
-    """A long completion stream; its lines appended to ``sent`` (``first`` set at the first)."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 380, "ignore_eos": True}
+OPENAI_STREAM = {"model": "tiny", "prompt": PROMPT, "max_tokens": 380, "ignore_eos": True}
+ANTHROPIC_STREAM = {  # greedy: the seeded tiny model's answer has no end of turn this early
+    "model": "tiny", "max_tokens": 360, "temperature": 0,
+    "messages": [{"role": "user", "content": PROMPT}],
+}  # fmt: skip
+
+
+class Stream:
+    """A long stream read in a thread of its own: its non-empty lines as they come, then
+    ``<ErrorName>`` if the connection broke."""
+
+    def __init__(self, url: str, path: str = "/v1/completions", body: dict = OPENAI_STREAM):
+        self.url, self.path, self.body = url, path, {**body, "stream": True}
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + self.path, json=self.body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    if line:
+                        self.lines.append(line)
+        except httpx.HTTPError as error:  # the server went away mid-stream
+            self.lines.append(f"<{type(error).__name__}>")
+
+    def started(self) -> bool:
+        return bool(self.lines)
+
+    def ending(self) -> list[str]:
+        self.reader.join(10)
+        return self.lines[-2:]
+
+
+def assert_cut_with_an_error_event(stream: Stream, message: str) -> None:
+    """The stream ended with its API's error event, shaped as a 503 (the server is stopping)."""
+    ending = stream.ending()
+    if stream.path == "/v1/messages":
+        assert ending[0] == "event: error", ending
+        error = json.loads(ending[1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "overloaded_error", error
+    else:
+        assert ending[1] == "data: [DONE]", ending
+        error = json.loads(ending[0].removeprefix("data: "))
+        assert error["error"]["type"] == "service_unavailable_error", error
+    assert message in error["error"]["message"], error
+
+
+def body_after_the_signal(url: str, path: str = "/v1/completions"):
+    """A request whose head is sent now and whose body is sent by the function returned
+    (then its reply is read): it starts only after the signal."""
+    body = json.dumps({"model": "tiny", "prompt": "late", "max_tokens": 2}).encode()
+    sock = connect(url)
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    sock.sendall(head("POST", path, headers))
+
+    def send_body() -> Reply:
+        with sock:
+            sock.sendall(body)
+            return read_reply(sock)
+
+    return send_body
+
+
+class Subscriber:
+    """A ZMQ SUB on a server's KV events, read in a thread: (topic, seq) of every batch."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        self.sock.connect(endpoint)
+        self.batches: list[tuple[str, int]] = []
+        self.done = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while not self.done.is_set():
+            if self.sock.poll(50):
+                topic, seq, _ = self.sock.recv_multipart()
+                self.batches.append((topic.decode(), int.from_bytes(seq, "big")))
+
+    def close(self) -> None:
+        self.done.set()
+        self.reader.join(5)  # a socket is one thread's at a time: close it once it is done
+        self.sock.close(linger=0)
+
+
+def assert_every_batch_received(subscriber: Subscriber, log_text: str) -> None:
+    """The subscriber gets the last epoch's batches without a gap up to the last, which the log
+    names when the socket closed (waited for: the frames may still be on their way)."""
+    closed = re.search(r"KV events socket closed .* topic (\S+) ends at seq (\d+)", log_text)
+    assert closed, log_text[-2000:]
+    topic, last = closed.group(1), int(closed.group(2))
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as reply:
-            for line in reply.iter_lines():
-                if line:
-                    sent.append(line)
-                    first.append(True)
-    except httpx.HTTPError as error:  # the server went away mid-stream
-        sent.append(f"<{type(error).__name__}>")
+        wait_until(lambda: (topic, last) in subscriber.batches, 5, "the last batch")
+    finally:
+        subscriber.close()
+    seqs = [seq for name, seq in subscriber.batches if name == topic]  # joined late: no 0
+    assert seqs == list(range(seqs[0], last + 1)), (topic, last, seqs[-5:], len(seqs))
 
 
-def test_sigterm_mid_stream_ends_it_with_an_error_event_and_the_disk_tier_restarts_clean(
-    tmp_path, model
-) -> None:
-    """SIGTERM to the group while a stream runs and its blocks go to the disk tier: the
-    stream ends with an error event, the server exits 0 leaving nothing; a restart on the
-    same tier loads its blocks, rejects none, and serves the same prompt."""
-    import threading
-
+def test_sigterm_mid_stream_loses_nothing(tmp_path, model) -> None:
+    """SIGTERM to the group while two streams run (OpenAI's, Anthropic's), their blocks go to
+    the disk tier and their KV events to a subscriber, and a request's body is still to
+    come: each stream ends with its error event, the late request gets a 503, the
+    subscriber has every batch up to the last, the server exits 0 leaving nothing; a
+    restart on the same tier loads its blocks, rejects none, and serves the same prompt."""
     tier = tmp_path / "tier"
-    port = free_port()
-    extra = ("--kv-tier", f"disk:{tier}")
+    port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    extra = ("--kv-tier", f"disk:{tier}", "--kv-events", events)
     log = tmp_path / "first.log"
     process = launch(serve_command(model, port, *extra), log)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: answers(url, process), 60, "the server")
-    sent: list[str] = []
-    first: list[bool] = []
-    reader = threading.Thread(target=stream_lines, args=(url, sent, first), daemon=True)
-    reader.start()
-    wait_until(lambda: bool(first), 30, "the stream's first event")
-    outcome = stop(process, log, signal.SIGTERM, True, DEADLINE)
-    reader.join(10)
+    subscriber = Subscriber(events)
+    streams = [Stream(url), Stream(url, "/v1/messages", ANTHROPIC_STREAM)]
+    wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")
+    wait_until(lambda: subscriber.batches, 10, "a batch of KV events")
+    late = body_after_the_signal(url)
+    family = descendants(process.pid)
+    send(process, signal.SIGTERM, True)
+    wait_until(lambda: "shutting down" in log.read_text(), 10, "the graceful part")
+    refused = late()
+    outcome = settle(process, log, signal.SIGTERM, True, family, DEADLINE)
     assert outcome.clean, outcome
-    assert sent and "error" in sent[-1] and "shutting down" in sent[-1], sent[-3:]
+    assert_every_batch_received(subscriber, log.read_text())
+    assert refused.status == 503 and "shutting down" in refused.error()["message"], refused
+    for stream in streams:
+        assert_cut_with_an_error_event(stream, "shutting down")
     restart_log = tmp_path / "second.log"
     again = launch(serve_command(model, port, *extra), restart_log)
     wait_until(lambda: answers(url, again), 60, "the restarted server")
@@ -258,6 +283,44 @@ def test_route_stops_on_every_signal(tmp_path) -> None:
     assert_clean(run_cells(CELLS, lambda sig, group: route_cell(tmp_path, sig, group)))
 
 
+def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, model) -> None:
+    """SIGTERM to the router's group while an OpenAI and an Anthropic stream and a whole
+    answer run through it and a request's body is still to come: the streams end with their
+    error events (not a dropped connection), the answer and the late request get a 503, the
+    router exits 0, and the replica, whose requests the router closed, still serves."""
+    replica_url = f"http://127.0.0.1:{free_port()}"
+    replica = launch(serve_command(model, int(replica_url.rsplit(":", 1)[1])), tmp_path / "r.log")
+    wait_until(lambda: answers(replica_url, replica), 60, "the replica")
+    url, log = f"http://127.0.0.1:{free_port()}", tmp_path / "route.log"
+    router = launch(
+        prefixcache(
+            "route", "--port", url.rsplit(":", 1)[1], "--policy", "round-robin",
+            *STOP_FLAGS, "--replica", replica_url,
+        ), log,
+    )  # fmt: skip  # cut 0.5 s after the signal, with ~1 s of tokens to come
+    wait_until(lambda: answers(url, router) and healthy(url), 60, "the router's replica")
+    whole = ThreadPoolExecutor(1).submit(
+        httpx.post, f"{url}/v1/completions", json=OPENAI_STREAM, timeout=30
+    )  # sent first: under way at the signal too
+    streams = [Stream(url), Stream(url, "/v1/messages", ANTHROPIC_STREAM)]
+    wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")
+    late = body_after_the_signal(url)
+    send(router, signal.SIGTERM, True)
+    wait_until(lambda: "Shutting down" in log.read_text(), 10, "the graceful part")
+    refused = late()
+    outcome = settle(router, log, signal.SIGTERM, True, {}, DEADLINE)
+    assert outcome.clean, (outcome, log.read_text()[-2000:])
+    assert refused.status == 503 and "shutting down" in refused.error()["message"], refused
+    for stream in streams:
+        assert_cut_with_an_error_event(stream, "the router is shutting down")
+    answer = whole.result(10)
+    assert answer.status_code == 503, answer.text
+    assert "the router is shutting down" in answer.json()["error"]["message"], answer.text
+    body = {"model": "tiny", "prompt": "still there?", "max_tokens": 2}
+    assert httpx.post(f"{replica_url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert_clean([stop(replica, tmp_path / "r.log", signal.SIGINT, False, DEADLINE)])
+
+
 def cluster_command(model: Path, port: int) -> list[str]:
     return prefixcache(
         "cluster", "--replicas", "1", "--port", str(port), "--model", str(model),
@@ -280,13 +343,11 @@ def cluster_cell(work: Path, model: Path, sig: int, group: bool) -> Outcome:
 
 
 def test_cluster_stops_on_every_signal(tmp_path, model) -> None:
-    outcomes = run_cells(CELLS, lambda sig, group: cluster_cell(tmp_path, model, sig, group))
-    killed = [o for o in outcomes if o.status == -signal.SIGINT]
-    others = [o for o in outcomes if o not in killed]
-    assert_clean(others)
-    assert all(not o.left and not o.traceback for o in killed), killed
-    if killed:  # stopped in time, nothing left, but status -2 (about 1 stop in 8): open
-        pytest.xfail(f"known, cause not found yet: cluster exited -2 in {killed}")
+    """Each cell six times: a race hitting one stop in three shows with 91 % odds in one cell
+    (in all 24 runs if it hits every cell). It did: a signal landing in a dataclass's
+    generated code during an import made CPython exit -2 after a clean stop (about 1 in 8)."""
+    cells = [cell for cell in CELLS for _ in range(TRIES)]
+    assert_clean(run_cells(cells, lambda sig, group: cluster_cell(tmp_path, model, sig, group)))
 
 
 def test_a_sigkilled_cluster_leaves_no_replica_or_router(tmp_path, model) -> None:
@@ -347,18 +408,14 @@ def test_simulate_stops_mid_replay_on_every_signal(tmp_path) -> None:
 
 def test_a_second_ctrl_c_cuts_the_graceful_part_short_with_status_130(tmp_path, model) -> None:
     """A stream that would hold the shutdown for 60 s: the second Ctrl-C ends it at once."""
-    import threading
-
     port = free_port()
     log = tmp_path / "serve.log"
     command = serve_command(model, port) + ["--shutdown-timeout", "60"]  # the last one counts
     process = launch(command, log)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: answers(url, process), 60, "the server")
-    sent: list[str] = []
-    first: list[bool] = []
-    threading.Thread(target=stream_lines, args=(url, sent, first), daemon=True).start()
-    wait_until(lambda: bool(first), 30, "the stream's first event")
+    stream = Stream(url)
+    wait_until(stream.started, 30, "the stream's first event")
     family = descendants(process.pid)
     send(process, signal.SIGINT, True)
     wait_until(lambda: "shutting down" in log.read_text(), 10, "the graceful part")

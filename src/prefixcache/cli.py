@@ -10,7 +10,7 @@ from typing import Any
 
 from prefixcache.argtypes import positive_int
 from prefixcache.server.cli import add_serve_parser, run_serve
-from prefixcache.shutdown import sigterm_as_ctrl_c
+from prefixcache.shutdown import forget_caught_interrupts, sigterm_as_ctrl_c
 
 # Every other subcommand: its module, the function adding its parser, the one running it.
 # Imported only when needed: `serve` parses its own options alone, so a server's start-up
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("prefixcache: interrupted", file=sys.stderr, flush=True)
         return 0
+    finally:
+        forget_caught_interrupts()  # else `python -m prefixcache.cli` may end killed (-2)
 
 
 def _main(argv: list[str] | None) -> int:

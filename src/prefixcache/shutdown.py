@@ -31,9 +31,23 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def exit_after(seconds: float, code: int, before: Callable[[], None] | None = None) -> None:
-    """End this process with ``code`` after ``seconds`` unless it ended already: the bound on a
-    shutdown whatever it waits on (``before`` runs first, e.g. to kill worker processes)."""
+def forget_caught_interrupts() -> None:
+    """Clear CPython's "unhandled KeyboardInterrupt" mark before exiting.
+
+    CPython (3.11, 3.12) sets it whenever a KeyboardInterrupt leaves code run by ``exec`` or
+    ``eval`` of a string (dataclasses and namedtuple build their methods so, e.g. during an
+    import), even when a caller catches it; under ``python -m`` the interpreter then ends by
+    killing itself with SIGINT (status -2) whatever the exit code. Every string evaluation
+    clears the mark first, so an empty one does."""
+    exec("")  # a constant empty string: the reset is the point
+
+
+def exit_after(
+    seconds: float, code: int, before: Callable[[], None] | None = None
+) -> threading.Timer:
+    """End this process with ``code`` after ``seconds`` unless it ended already (or the timer
+    returned is cancelled): the bound on a shutdown whatever it waits on (``before`` runs
+    first, e.g. to kill worker processes)."""
 
     def expire() -> None:
         log.warning("shutdown still running after %.1f s: exiting now", seconds)
@@ -46,6 +60,7 @@ def exit_after(seconds: float, code: int, before: Callable[[], None] | None = No
     timer = threading.Timer(seconds, expire)
     timer.name, timer.daemon = "shutdown-deadline", True
     timer.start()
+    return timer
 
 
 @contextlib.contextmanager
@@ -79,6 +94,27 @@ def kill_all(processes: list, timeout: float, hurry: Callable[[], bool] = lambda
             with contextlib.suppress(OSError):
                 process.kill()
     _wait_all(live, 5.0, lambda: False)  # SIGKILL is not refused: this only reaps them
+
+
+def kill_descendants() -> None:
+    """SIGKILL to every process below this one (read from /proc): a last resort."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with (
+                contextlib.suppress(OSError, IndexError, ValueError),
+                open(f"/proc/{entry}/stat") as stat,
+            ):
+                parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+    frontier, below = [os.getpid()], []
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        below += children
+        frontier += children
+    for pid in below:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(process) -> bool:

@@ -27,6 +27,10 @@ COALESCE_SECONDS = 0.005
 COALESCE_LIMIT_SECONDS = 0.05
 
 
+class EndedByShutdown(RuntimeError):
+    """A request ended by a stopping server's deadline (``end_all``), not by a failure."""
+
+
 @dataclass(slots=True)
 class AddRequest:
     """Queue a request (the arguments of ``LLMEngine.add_request``, by name)."""
@@ -196,14 +200,14 @@ class AsyncLLMEngine:
 
     def end_all(self, reason: str) -> None:
         """Abort every request between two steps and end each open stream with
-        ``RuntimeError(reason)`` (a draining server's deadline: streams get an error event)."""
+        ``EndedByShutdown(reason)`` (a draining server's deadline: streams get an error event)."""
         self._submit(CallInEngine(lambda engine: self._end_all(engine, reason)))
 
     def _end_all(self, engine: LLMEngine, reason: str) -> None:
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
         for request_id in list(self._streams):
-            self._deliver(RuntimeError(reason), request_id)
+            self._deliver(EndedByShutdown(reason), request_id)
 
     @property
     def num_pending(self) -> int:

@@ -4,12 +4,15 @@ Ray places the replicas (``--replica-cpus`` each, ``--max-replicas-per-node``), 
 those that die and scales between ``--min-replicas`` and ``--max-replicas``. The router
 listens on ``--port`` on the head node (``--routing ray``: Ray's own proxy and request
 router do instead, for comparison). The tenant secret, key file and tier spec reach the
-replicas through Ray, never through a command line. Ctrl-C deletes the application.
+replicas through Ray, never through a command line. Ctrl-C or SIGTERM deletes the
+application and stops a local Ray (exit 0); a second one skips waiting for the replicas
+(exit 130); after ``STOP_SECONDS`` whatever is left is killed (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -21,11 +24,20 @@ from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
+from prefixcache.shutdown import (
+    CUT_SHORT,
+    exit_after,
+    kill_all,
+    kill_descendants,
+    sigterm_as_ctrl_c,
+)
 
 ROUTINGS = ("prefixcache", "ray")
 READY_TIMEOUT_S = 600.0
 PROXY_TIMEOUT_S = 30.0
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray on 127.0.0.1 only
+STOP_SECONDS = 60.0  # the teardown's bound (Serve gives each replica 20 s to stop)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_ray_parser(commands: argparse._SubParsersAction) -> None:
@@ -117,21 +129,21 @@ def _secrets_problem(args: argparse.Namespace) -> str | None:
 
 
 def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
+    """Deploy, serve until Ctrl-C or SIGTERM, tear down: 0 (2 if Serve refused the
+    deployment), or 130 if a second signal cut the teardown short."""
     import ray
     from ray import serve
 
     from prefixcache.on_ray.app import build_app
     from prefixcache.on_ray.specs import APP_NAME
 
-    redis, tier = _tier(args, folder)
-    stopping: list[bool] = []
-    previous = signal.getsignal(signal.SIGTERM)
+    redis, tier, code = *_tier(args, folder), 0
     try:
         if args.address:
             ray.init(address=args.address, log_to_driver=False)
         else:
             ray.init(num_cpus=args.local_cpus, include_dashboard=False, log_to_driver=False)
-        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # after Ray's own
+        sigterm_as_ctrl_c()  # Ray's own handler exits (SystemExit) from wherever it lands
         proxy = "HeadOnly" if args.routing == "ray" else "Disabled"
         serve.start(proxy_location=proxy, http_options={"host": args.host, "port": args.port})
         engine, ingress, scaling = _specs(args, folder, tier)
@@ -139,17 +151,49 @@ def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
         route_prefix = "/" if args.routing == "ray" else None
         serve.run(build_app(engine, ingress, scaling), name=APP_NAME, route_prefix=route_prefix)
         print(_ready_line(args), flush=True)
-        while not stopping:
+        while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     except RuntimeError as error:
         print(f"prefixcache ray: {error}", file=sys.stderr, flush=True)
-        return 2
+        code = 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        _tear_down(args, redis)
-    return 0
+        cut_short = _stop(args, redis)
+    return CUT_SHORT if cut_short else code
+
+
+class _CutShort(BaseException):
+    """A second Ctrl-C or SIGTERM during the teardown (a BaseException: Ray's code catches
+    Exception)."""
+
+
+def _cut_short(signum: int, frame: object) -> None:
+    raise _CutShort
+
+
+def _stop(args: argparse.Namespace, redis: Child | None) -> bool:
+    """Tear down within ``STOP_SECONDS``; a second Ctrl-C or SIGTERM meanwhile skips the
+    graceful part. Whether one did."""
+    previous = {sig: signal.signal(sig, _cut_short) for sig in STOP_SIGNALS}
+    deadline = exit_after(STOP_SECONDS, 1, kill_descendants)
+    cut = False
+    try:
+        _tear_down(args)
+    except _CutShort:
+        cut = True
+        print("prefixcache ray: second signal: stopping now", flush=True)
+    finally:
+        for sig in STOP_SIGNALS:  # what is left to do is quick: a third signal changes nothing
+            signal.signal(sig, signal.SIG_IGN)
+        _release_ray()
+        if redis is not None and redis.process is not None:
+            kill_all([redis.process], 0.0 if cut else 5.0)
+        deadline.cancel()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("prefixcache ray: stopped", flush=True)
+    return cut
 
 
 def _tier(args: argparse.Namespace, folder: Path) -> tuple[Child | None, str | None]:
@@ -266,7 +310,7 @@ def _wait_for_proxy(args: argparse.Namespace) -> None:
     )
 
 
-def _tear_down(args: argparse.Namespace, redis: Child | None) -> None:
+def _tear_down(args: argparse.Namespace) -> None:
     """Delete the application (its replicas stop their servers), then disconnect."""
     import ray
     from ray import serve
@@ -274,12 +318,21 @@ def _tear_down(args: argparse.Namespace, redis: Child | None) -> None:
     from prefixcache.on_ray.specs import APP_NAME
 
     if ray.is_initialized():
-        try:
-            serve.delete(APP_NAME)
-            if not args.address or not serve.status().applications:
-                serve.shutdown()  # leave a cluster as found: Serve only if it runs nothing else
-        finally:
-            ray.shutdown()
-    if redis is not None:
-        redis.stop()
-    print("prefixcache ray: stopped", flush=True)
+        serve.delete(APP_NAME)
+        if not args.address or not serve.status().applications:
+            serve.shutdown()  # leave a cluster as found: Serve only if it runs nothing else
+        ray.shutdown()
+
+
+def _release_ray() -> None:
+    """What the graceful part left: the application's deletion asked for (not waited on)
+    and Ray disconnected, which stops a local Ray's processes."""
+    import ray
+    from ray import serve
+
+    from prefixcache.on_ray.specs import APP_NAME
+
+    if ray.is_initialized():
+        with contextlib.suppress(Exception):  # the controller may be gone already
+            serve.delete(APP_NAME, _blocking=False)
+        ray.shutdown()

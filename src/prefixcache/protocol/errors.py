@@ -28,7 +28,8 @@ ERROR_TYPES = {
     431: "invalid_request_error",
     503: "service_unavailable_error",
 }
-ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})  # Anthropic's shape
+MESSAGES_PATH = "/v1/messages"
+ANTHROPIC_PATHS = frozenset({MESSAGES_PATH, "/v1/messages/count_tokens"})  # Anthropic's shape
 ANTHROPIC_ERROR_TYPES = {**ERROR_TYPES, 503: "overloaded_error"}  # the rest alike
 
 
@@ -47,6 +48,17 @@ def error_body(
         return {"type": "error", "error": {"type": kind, "message": message}}
     kind = ERROR_TYPES.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def stream_error_event(status: int, message: str, path: str | None = None) -> str:
+    """An error ending a stream, as one SSE event in the route's shape: OpenAI's ``data:``
+    chunk then ``data: [DONE]``, or Anthropic's ``event: error`` (its streams have no
+    ``[DONE]``). ``status`` picks the type: 503 (shutting down) is Anthropic's
+    ``overloaded_error``, a failure (500) its ``api_error``."""
+    body = json.dumps(error_body(status, message, path=path))
+    if path in ANTHROPIC_PATHS:
+        return f"event: error\ndata: {body}\n\n"
+    return f"data: {body}\n\ndata: [DONE]\n\n"
 
 
 def error_bytes(status: int, message: str, param: str | None = None) -> bytes:

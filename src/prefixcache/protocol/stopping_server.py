@@ -13,6 +13,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -65,6 +67,15 @@ class StoppingServer(uvicorn.Server):
 
     def on_first_signal(self) -> None:
         """Called once, from the signal handler, before uvicorn starts stopping."""
+
+    def before_the_deadline(self, end_the_rest: Callable[[], None]) -> None:
+        """Call ``end_the_rest`` (from a timer thread) a little before uvicorn would cancel the
+        requests still running: then they can still end with an error event or a 503."""
+        timeout = self.shutdown_timeout
+        delay = max(0.0, timeout - min(1.0, timeout / 2))
+        timer = threading.Timer(delay, end_the_rest)
+        timer.name, timer.daemon = "drain-deadline", True
+        timer.start()
 
     def last_words(self) -> None:
         """Called from the deadline's thread just before the process exits."""

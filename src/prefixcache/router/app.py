@@ -27,6 +27,7 @@ from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import install_front
 from prefixcache.protocol.limits import DEFAULT_MAX_PENDING, PREPARE_THREADS, Limits
 from prefixcache.router.affinity import DEFAULT_MAX_KEYS, KeyAffinity
+from prefixcache.router.drain import Drain
 from prefixcache.router.feed import FeedStats
 from prefixcache.router.forward import Forwarder
 from prefixcache.router.index import GlobalIndex
@@ -100,7 +101,7 @@ class RouterState:
         if config.affinity_keys > 0:
             affinity = KeyAffinity.for_policy(config.policy, config.affinity_keys)
         router = Router(fleet, index, config.policy, metrics, config.expect_grace_s, affinity)
-        forwarder = Forwarder(client, router, fleet, metrics)
+        forwarder = Forwarder(client, router, fleet, metrics, Drain())
         tenants = config.tenants
         share = None if tenants.local else config.limits.tenant_share(config.max_pending)
         in_flight = InFlight(config.max_pending, share)
@@ -163,6 +164,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.forwarder.drain.attach()
         await state.fleet.check_all()
         checks = asyncio.create_task(state.fleet.run(config.health_interval_s))
         try:

@@ -140,8 +140,8 @@ def build_config(args: argparse.Namespace):  # -> RouterConfig (imported lazily:
 def run_route(args: argparse.Namespace) -> int:
     """Build the router, say how it is set up, and serve until interrupted."""
     from prefixcache.protocol.front import uvicorn_config
-    from prefixcache.protocol.stopping_server import StoppingServer
     from prefixcache.router.app import create_router_app
+    from prefixcache.router.drain import DrainingServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
@@ -174,7 +174,6 @@ def run_route(args: argparse.Namespace) -> int:
     quiet_health_checks(args.log_health_checks)
     timeout = config.limits.request_read_timeout
     uvicorn_options = {"log_level": "info", "timeout_graceful_shutdown": args.shutdown_timeout}
-    uvicorn_server = StoppingServer(
-        uvicorn_config(app, args.host, args.port, timeout, **uvicorn_options), hard_deadline=True
-    )
+    server_config = uvicorn_config(app, args.host, args.port, timeout, **uvicorn_options)
+    uvicorn_server = DrainingServer(server_config, app.state.router.forwarder.drain)
     return uvicorn_server.run_until_stopped()

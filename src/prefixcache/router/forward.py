@@ -13,7 +13,6 @@ URLs go to the log and to that header, never into an error a client reads.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from prefixcache.protocol.errors import ANTHROPIC_PATHS, ApiError, error_body
+from prefixcache.protocol.errors import ApiError, stream_error_event
+from prefixcache.router.drain import ROUTER_SHUTTING_DOWN, Cut, Drain
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.replicas import Fleet, Replica, describe
 from prefixcache.router.routing import Router, Ticket
@@ -47,7 +47,6 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.5
 
 
@@ -107,22 +106,24 @@ def response_headers(upstream: httpx.Response, replica: Replica, decoded: bool) 
     return headers
 
 
-def error_event(message: str, path: str | None = None) -> bytes:
-    """An error as one SSE event, in the route's shape: OpenAI's ``data:`` chunk then
-    ``[DONE]``, or Anthropic's ``event: error`` (its streams have no ``[DONE]``)."""
-    body = json.dumps(error_body(500, message, path=path))
-    if path in ANTHROPIC_PATHS:
-        return f"event: error\ndata: {body}\n\n".encode()
-    return f"data: {body}\n\n".encode() + DONE
+def error_event(message: str, path: str | None = None, status: int = 500) -> bytes:
+    """An error as one SSE event in the route's shape (``stream_error_event``)."""
+    return stream_error_event(status, message, path).encode()
 
 
 class Forwarder:
     """Sends requests through the router's choice, with one retry and streaming relay."""
 
     def __init__(
-        self, client: httpx.AsyncClient, router: Router, fleet: Fleet, metrics: RouterMetrics
+        self,
+        client: httpx.AsyncClient,
+        router: Router,
+        fleet: Fleet,
+        metrics: RouterMetrics,
+        drain: Drain | None = None,
     ) -> None:
         self.client, self.router, self.fleet, self.metrics = client, router, fleet, metrics
+        self.drain = drain or Drain()
         self._checks: set[asyncio.Task] = set()
 
     async def forward(
@@ -139,6 +140,8 @@ class Forwarder:
         """The replica's answer; 503 (in the route's error shape) when no replica could take
         it. ``key``: the request's affinity key (an opaque digest), if it has one; ``pinned``:
         the replica it must go to while that one is healthy (``Router.dispatch``)."""
+        if self.drain.draining:
+            raise ApiError(503, ROUTER_SHUTTING_DOWN)
         tried: list[str] = []
         reason: str | None = None  # None: no replica to try (then the fleet says why)
         for attempt in range(MAX_ATTEMPTS):
@@ -178,9 +181,11 @@ class Forwarder:
             content=sent.body,
         )
         try:
-            upstream = await self.client.send(upstream_request, stream=True)
+            upstream = await self.drain.unless_cut(self.client.send(upstream_request, stream=True))
         except httpx.TransportError as error:
             return self._failed(ticket, error)
+        except Cut:
+            raise self._cut(ticket, route) from None
         if upstream.status_code == 429 and can_retry:
             await upstream.aclose()
             self.router.release(ticket, ok=False)
@@ -196,9 +201,11 @@ class Forwarder:
     ) -> Response | Retry:
         """A non-streamed answer, read in full (the client's disconnect closes the upstream)."""
         try:
-            content = await self._read_unless_gone(upstream, request)
+            content = await self.drain.unless_cut(self._read_unless_gone(upstream, request))
         except httpx.TransportError as error:
             return self._failed(ticket, error)
+        except Cut:
+            raise self._cut(ticket, route) from None
         finally:
             await upstream.aclose()
         status = upstream.status_code
@@ -213,12 +220,16 @@ class Forwarder:
     async def _read_unless_gone(self, upstream: httpx.Response, request: Request) -> bytes | None:
         """The body; None if the client went away first (the replica then aborts the request)."""
         read = asyncio.ensure_future(upstream.aread())
-        while not read.done():
-            await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
-            if not read.done() and await request.is_disconnected():
+        try:
+            while not read.done():
+                await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
+                if not read.done() and await request.is_disconnected():
+                    return None
+            return read.result()
+        finally:  # gone, or cut at the shutdown deadline: the read goes too
+            if not read.done():
                 read.cancel()
-                return None
-        return read.result()
+                await asyncio.wait({read})
 
     async def _relay(
         self, ticket: Ticket, upstream: httpx.Response, route: RouteLog, path: str
@@ -226,7 +237,7 @@ class Forwarder:
         """The replica's SSE bytes as they come, whole events at a time; a failure ends cleanly."""
         status, pending = "disconnected", b""
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in self.drain.chunks(upstream.aiter_raw()):
                 pending += chunk
                 cut = pending.rfind(b"\n\n") + 2
                 if cut >= 2:
@@ -240,8 +251,11 @@ class Forwarder:
             self._schedule_check(ticket)
             log.warning("replica %s failed mid-stream: %s", ticket.url, describe(error))
             yield error_event(f"the replica failed mid-stream ({type(error).__name__})", path)
+        except Cut:  # the replica is fine: this router is stopping
+            status = "cut_at_shutdown"
+            yield error_event(ROUTER_SHUTTING_DOWN, path, status=503)
         finally:
-            self.router.release(ticket, ok=status == "200")
+            self.router.release(ticket, ok=status in ("200", "cut_at_shutdown"))
             self._record(ticket, route, status)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -258,6 +272,12 @@ class Forwarder:
             "replica %s failed before answering: %s; retrying elsewhere", ticket.url, reason
         )
         return Retry(type(error).__name__)
+
+    def _cut(self, ticket: Ticket, route: RouteLog) -> ApiError:
+        """The deadline came before the replica's answer: release it; the 503 to raise."""
+        self.router.release(ticket, ok=True)
+        self._record(ticket, route, "cut_at_shutdown")
+        return ApiError(503, ROUTER_SHUTTING_DOWN)
 
     def _schedule_check(self, ticket: Ticket) -> None:
         """Health-check the replica now, not at the next tick (a dropped keep-alive is no death)."""

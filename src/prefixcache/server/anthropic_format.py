@@ -20,7 +20,8 @@ from prefixcache.cache.retention import Keep
 from prefixcache.engine.request import CompletionOutput, FinishReason, RequestOutput
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS
-from prefixcache.server.fan_in import FanIn
+from prefixcache.protocol.errors import MESSAGES_PATH
+from prefixcache.server.fan_in import FanIn, failure_event
 from prefixcache.server.tool_parse import ToolStream, content_of, cut_short, new_call_id, scan
 
 CALL_ID_PREFIX = "toolu"
@@ -130,10 +131,6 @@ def event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
 
 
-def error_event(message_text: str) -> str:
-    return event("error", {"error": {"type": "api_error", "message": message_text}})
-
-
 @dataclass(slots=True)
 class _Blocks:
     """The content blocks a stream has opened: the last one's index, and whether it is open."""
@@ -214,9 +211,9 @@ async def events(
         yield event("message_delta", {"delta": delta, "usage": usage(shape, output)})
         status = "ok"
         yield event("message_stop", {})
-    except RuntimeError as error:  # the engine step failed: tell the client, end cleanly
+    except RuntimeError as error:  # the engine step failed, or the shutdown deadline came
         status = "engine_error"
-        yield error_event(str(error))
+        yield failure_event(error, MESSAGES_PATH)
     finally:
         fan_in.close()
         done(fan_in.finals(), status)

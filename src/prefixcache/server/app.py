@@ -9,9 +9,7 @@ body size and deadline); bodies are then prepared in ``PreparePool`` threads
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -47,7 +45,7 @@ from prefixcache.protocol.schemas import (
 from prefixcache.protocol.stopping_server import StoppingServer
 from prefixcache.server import anthropic_format, openai_format
 from prefixcache.server.events import KVEventPublisher
-from prefixcache.server.fan_in import FanIn
+from prefixcache.server.fan_in import FanIn, failure_event
 from prefixcache.server.lookup_routes import LOOKUP_PATHS, add_stored_routes, add_token_routes
 from prefixcache.server.messages import prepare_messages
 from prefixcache.server.metrics import ServerMetrics
@@ -296,6 +294,8 @@ async def _serve(
     if server.draining:
         raise ApiError(503, SHUTTING_DOWN)
     raw = await request.body()
+    if server.draining:  # the signal came while the body did: not started yet
+        raise ApiError(503, SHUTTING_DOWN)
     if in_thread:  # it reads this process's state (the stored responses)
         ready = await server.pool.run(prepare, raw, server.prepare)
     else:
@@ -502,9 +502,9 @@ async def _sse(fan_in: FanIn, formatter, include_usage: bool, done: _Done):
         status = "ok"
         for event in last:
             yield event
-    except RuntimeError as error:  # the engine step failed: tell the client, end cleanly
+    except RuntimeError as error:  # the engine step failed, or the shutdown deadline came
         status = "engine_error"
-        yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n"
+        yield failure_event(error)
     finally:
         fan_in.close()
         done(fan_in.finals(), status)
@@ -542,11 +542,7 @@ class GracefulServer(StoppingServer):
             "shutting down: no new requests; %d in flight", self.state.async_engine.num_pending
         )
         self.state.draining = True
-        timeout = self.shutdown_timeout  # end what still runs a little before uvicorn would
-        delay = max(0.0, timeout - min(1.0, timeout / 2))  # cancel it (no event, no 503)
-        timer = threading.Timer(delay, self.state.async_engine.end_all, (SHUTTING_DOWN,))
-        timer.name, timer.daemon = "drain-deadline", True
-        timer.start()
+        self.before_the_deadline(partial(self.state.async_engine.end_all, SHUTTING_DOWN))
 
     def last_words(self) -> None:
         self.state.pool.close(timeout=0.0)

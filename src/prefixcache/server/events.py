@@ -156,6 +156,10 @@ class KVEventPublisher:
         if self._replays is not None:
             self._replays.sock.close(linger=0)
         self._ctx.term()  # returns once queued frames drained (bounded by the linger)
+        log.info(
+            "KV events socket closed after its last batch: %d sent, topic %s ends at seq %d",
+            self.batches_sent, self.topic, self._next_seq - 1,
+        )  # fmt: skip
 
     def __enter__(self) -> KVEventPublisher:
         return self

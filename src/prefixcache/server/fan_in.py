@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from prefixcache.engine.async_engine import RequestStream
+from prefixcache.engine.async_engine import EndedByShutdown, RequestStream
 from prefixcache.engine.request import RequestOutput
+from prefixcache.protocol.errors import stream_error_event
 
 
 class FanIn:
@@ -46,3 +47,10 @@ class FanIn:
             pump.cancel()
         for stream in self.streams:
             stream.close()
+
+
+def failure_event(error: RuntimeError, path: str | None = None) -> str:
+    """The SSE event ending a stream whose requests raised ``error``: a 503 when the
+    server's shutdown deadline ended them (Anthropic's ``overloaded_error``), else a 500."""
+    status = 503 if isinstance(error, EndedByShutdown) else 500
+    return stream_error_event(status, str(error), path)
