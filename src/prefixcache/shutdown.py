@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,19 @@ def forget_caught_interrupts() -> None:
     killing itself with SIGINT (status -2) whatever the exit code. Every string evaluation
     clears the mark first, so an empty one does."""
     exec("")  # a constant empty string: the reset is the point
+
+
+HOLD_VARIABLE = "PREFIXCACHE_HOLD_AT"  # the stop tests' hook (tests/test_stop_signals.py)
+
+
+def hold_point(moment: str) -> None:
+    """If ``PREFIXCACHE_HOLD_AT`` names ``moment``, say so on stderr and wait here until a
+    signal ends the process: the stop tests signal exactly at that moment, not by luck."""
+    if os.environ.get(HOLD_VARIABLE) != moment:
+        return
+    print(f"prefixcache: holding at {moment}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
 
 
 def exit_after(

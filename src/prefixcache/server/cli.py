@@ -23,7 +23,7 @@ from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
 from prefixcache.protocol.event_flags import add_event_format_flags
 from prefixcache.protocol.limit_flags import add_limit_flags, limits_from
-from prefixcache.shutdown import TEARDOWN_SECONDS
+from prefixcache.shutdown import TEARDOWN_SECONDS, hold_point
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM
 
@@ -214,6 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if args.api_key_file
             else Tenants(None, current, previous_secret=previous)
         )
+        hold_point("model-load")
         loaded = load_model(args.model) if args.dequantize else serving_model(args)
         install_chat_template(loaded, args.chat_template)
         engine = LLMEngine(
