@@ -22,13 +22,14 @@ from prefixcache.cache.retention import DEFAULT_SHARE, Keep
 from prefixcache.cache.validation import check_fits, check_keeps
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.grammar import grammar_cache
-from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.models import build_model
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
@@ -78,6 +79,7 @@ class EngineConfig:
     eviction_policy: str = DEFAULT_POLICY
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # the pool's K/V: float32, bfloat16 or int8
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
     seed: int = 0
@@ -104,6 +106,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model, self.int4_weights = self._model(loaded, config)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype)
         self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
         self.kv_store = KVStore(
             model_config.num_layers,
@@ -111,14 +114,14 @@ class LLMEngine:
             config.block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
-            dtype=config.dtype,
+            dtype=self.kv_dtype,
         )
         namespace = Namespace(
             model=model_config.name,
             revision=model_config.revision,
             dtype=str(config.dtype).removeprefix("torch."),
             block_size=config.block_size,
-            extra=(("weights", "int4"),) if self.int4_weights else (),
+            extra=self._namespace_extra(),
         )
         self.manager = KVCacheManager(
             self.num_blocks,
@@ -205,14 +208,22 @@ class LLMEngine:
         model.load_weights(loaded.state_dict)
         return model, model.quantize(loaded.quantized) if config.quantized_weights else []
 
+    def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
+        """What else changes the KV values: int4 weights, a KV dtype other than float32
+        (so float32 digests stay as they were, and other dtypes never share a tier value)."""
+        extra = [("weights", "int4")] if self.int4_weights else []
+        if self.config.kv_cache_dtype != DEFAULT_KV_CACHE_DTYPE:
+            extra.append(("kv_cache_dtype", self.config.kv_cache_dtype))
+        return tuple(extra)
+
     def _blocks_for_bytes(self, budget: int) -> int:
-        """How many KV blocks fit in ``budget`` bytes."""
+        """How many KV blocks fit in ``budget`` bytes (at the pool's KV dtype)."""
         per_block = KVStore.bytes_per_block(
             self.model_config.num_layers,
             self.config.block_size,
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
-            self.config.dtype,
+            self.kv_dtype,
         )
         if budget < per_block:
             raise ValueError(f"kv_cache_bytes {budget} is below one block ({per_block} bytes)")
