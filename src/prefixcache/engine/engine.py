@@ -22,7 +22,6 @@ from prefixcache.cache.retention import DEFAULT_SHARE, Keep
 from prefixcache.cache.validation import check_fits, check_keeps
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
-    DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
@@ -79,7 +78,7 @@ class EngineConfig:
     eviction_policy: str = DEFAULT_POLICY
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
-    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # the pool's K/V: float32, bfloat16 or int8
+    kv_cache_dtype: str | None = None  # the pool's K/V: float32, bfloat16, int8; None: dtype
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
     seed: int = 0
@@ -106,7 +105,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model, self.int4_weights = self._model(loaded, config)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        self.kv_dtype = kv_dtype(config.kv_cache_dtype)
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype) if config.kv_cache_dtype else config.dtype
+        self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")  # its name
         self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
         self.kv_store = KVStore(
             model_config.num_layers,
@@ -182,8 +182,9 @@ class LLMEngine:
         return TierLink(client, keys, self.manager, self.kv_store, *waits)
 
     def set_event_sink(self, sink: EventSink, token_ids: bool = False) -> None:
-        """Report KV events to ``sink``: the pool's, and the tier's with its medium."""
-        self.manager.set_event_sink(sink, token_ids=token_ids)
+        """Report KV events to ``sink``: the pool's, and the tier's with its medium; stored
+        blocks name the pool's KV dtype."""
+        self.manager.set_event_sink(sink, token_ids=token_ids, kv_cache_dtype=self.kv_cache_dtype)
         if self.tier is not None:
             self.tier.report_events(sink)
 
@@ -209,11 +210,12 @@ class LLMEngine:
         return model, model.quantize(loaded.quantized) if config.quantized_weights else []
 
     def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
-        """What else changes the KV values: int4 weights, a KV dtype other than float32
-        (so float32 digests stay as they were, and other dtypes never share a tier value)."""
+        """What else changes the KV values: int4 weights, a KV dtype other than the model's
+        (so digests stay as they were without one, and KV of another dtype is never looked
+        up, in the tier or by a router)."""
         extra = [("weights", "int4")] if self.int4_weights else []
-        if self.config.kv_cache_dtype != DEFAULT_KV_CACHE_DTYPE:
-            extra.append(("kv_cache_dtype", self.config.kv_cache_dtype))
+        if self.kv_dtype != self.config.dtype:
+            extra.append(("kv_cache_dtype", self.kv_cache_dtype))
         return tuple(extra)
 
     def _blocks_for_bytes(self, budget: int) -> int:

@@ -177,9 +177,10 @@ class TierLink:
     def report_events(self, sink: EventSink) -> None:
         """Tell ``sink`` of blocks stored in (and evicted from) the tier, with its medium."""
         medium, block_size = self.client.medium, self.manager.block_size
+        dtype = str(self.kv_store.dtype).removeprefix("torch.")
 
         def stored(digest: bytes) -> None:
-            sink(BlockStored([digest], None, [], block_size, None, medium))
+            sink(BlockStored([digest], None, [], block_size, None, medium, dtype))
 
         def removed(digests: list[bytes]) -> None:
             sink(BlockRemoved(list(digests), medium))
