@@ -127,7 +127,7 @@ def test_vllms_msgspec_structs_without_array_like_decode_the_map_form() -> None:
     as_dicts = [msgspec.to_builtins(e, builtin_types=(bytes,)) for e in batch.events]
     # vLLM's struct has no kv_cache_dtype (ours): it reads the rest, and drops a nil default
     vllms = [
-        {k: v for k, v in e.items() if k != "kv_cache_dtype" and not (k == "extra_keys")}
+        {k: v for k, v in e.items() if k not in ("kv_cache_dtype", "extra_keys")}
         for e in ROUND_AS_VLLM
     ]
     assert as_dicts == vllms
