@@ -42,5 +42,5 @@ def dequantize_int8(packed: torch.Tensor) -> torch.Tensor:
     """fp32 rows `[..., D]` of packed rows `[..., D + 4]` (any strides)."""
     dim = packed.shape[-1] - SCALE_BYTES
     codes = packed[..., :dim].view(torch.int8)
-    scale = packed[..., dim:].contiguous().view(torch.float32)
+    scale = packed[..., dim:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return dequantize_codes(codes, scale)
