@@ -284,8 +284,9 @@ def _serve_until_stopped(
     )
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
-        f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens; prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}"
+        f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens, "
+        f"{engine.kv_cache_dtype} ({engine.kv_store.bytes_per_token:,} bytes a token); "
+        f"prefix caching {'off' if args.no_prefix_caching else 'on'}"
         f"{'; zero on evict' if args.zero_on_evict else ''}",
         flush=True,
     )
