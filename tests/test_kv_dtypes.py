@@ -273,6 +273,16 @@ def test_stored_blocks_name_the_pools_dtype() -> None:
     assert stored and all(e.kv_cache_dtype == "int8" for e in stored)
 
 
+def test_health_names_the_kv_dtype_and_it_changes_the_namespace() -> None:
+    from prefixcache.server.app import replica_identity
+
+    identities = {
+        dtype: replica_identity(tiny_engine(kv_cache_dtype=dtype), None) for dtype in DTYPES
+    }
+    assert [identity["kv_cache_dtype"] for identity in identities.values()] == list(DTYPES)
+    assert len({identity["namespace_digest"] for identity in identities.values()}) == 3
+
+
 def test_a_bad_kv_cache_dtype_is_a_one_line_usage_error() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "prefixcache.cli", "serve", "--kv-cache-dtype", "fp8"],
