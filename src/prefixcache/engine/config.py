@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
+DEFAULT_KV_CACHE_DTYPE = "float32"
 
 
 @dataclass(frozen=True, slots=True)
