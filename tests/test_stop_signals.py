@@ -116,6 +116,28 @@ def test_serve_stops_while_it_loads_its_model(tmp_path, model) -> None:
     assert_clean(outcomes)
 
 
+def serve_while_its_kernels_build(work: Path, sig: int, group: bool) -> Outcome:
+    """The default model with an empty cache folder: the signal while the compiler builds
+    the native kernels at start-up. Killing the g++ driver alone left cc1plus running."""
+    port = free_port()
+    log, cache = work / f"serve-{port}.log", work / f"cache-{port}"
+    command = prefixcache("serve", "--port", str(port), "--shutdown-timeout", str(SHUTDOWN))
+    process = launch(command, log, env={"PREFIXCACHE_CACHE_DIR": str(cache)})
+    compiling = lambda: any("cc1plus" in c for c in descendants(process.pid).values())  # noqa: E731
+    wait_until(compiling, 60, "the kernels' compiler")
+    outcome = stop(process, log, sig, group, DEADLINE)
+    assert not list(cache.rglob("*.so*")), "a half-built library stayed"
+    return outcome
+
+
+def test_serve_stops_while_its_kernels_build(tmp_path) -> None:
+    cells = [(signal.SIGTERM, False), (signal.SIGINT, True)]
+    outcomes = run_cells(
+        cells, lambda sig, group: serve_while_its_kernels_build(tmp_path, sig, group)
+    )
+    assert_clean(outcomes)
+
+
 OPENAI_STREAM = {"model": "tiny", "prompt": PROMPT, "max_tokens": 380, "ignore_eos": True}
 ANTHROPIC_STREAM = {  # greedy: the seeded tiny model's answer has no end of turn this early
     "model": "tiny", "max_tokens": 360, "temperature": 0,
