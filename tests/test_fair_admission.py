@@ -55,7 +55,9 @@ def test_an_owner_over_its_share_is_not_protected(make_manager):
 
 
 def test_a_busy_tenant_waits_while_another_tenant_goes_ahead_and_hits():
-    engine = tiny_engine(num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512)
+    engine = tiny_engine(  # FCFS (no step target): else a2, cached, would go first anyway
+        num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512, step_target_ms=None
+    )
     system = unique(32, 0)  # 8 blocks of 4
     engine.add_request("a1", system + [5], GREEDY, owner="A")
     run_to_completion(engine)
@@ -72,7 +74,7 @@ def test_a_busy_tenant_waits_while_another_tenant_goes_ahead_and_hits():
 
 
 def test_without_fair_cache_nobody_is_deferred():
-    engine = tiny_engine(num_kv_blocks=24, max_num_batched_tokens=512)
+    engine = tiny_engine(num_kv_blocks=24, max_num_batched_tokens=512, step_target_ms=None)
     system = unique(32, 0)
     engine.add_request("a1", system + [5], GREEDY, owner="A")
     run_to_completion(engine)
