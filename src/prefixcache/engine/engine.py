@@ -262,6 +262,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             min_hit_tokens = max(min_hit_tokens, len(prompt_token_ids))
             use_tier = False
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         if not isinstance(min_hit_tokens, int) or min_hit_tokens < 0:
             raise ValueError(f"min_hit_tokens must be an int >= 0, got {min_hit_tokens!r}")
         new_grammar = self._grammar_factory(params)
