@@ -71,7 +71,7 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys")
     path = folder / "keys.json"
     tenants = [
-        {"name": "open", "keys": ["sk-open"]},
+        {"name": "open", "keys": ["sk-open"], "admin": True},
         {"name": "batch", "keys": ["sk-batch"], "priority": 5, "min_priority": 0},
     ]
     path.write_text(json.dumps({"tenants": tenants}))
@@ -118,3 +118,18 @@ def test_a_tenants_file_with_a_bad_priority_is_refused(tmp_path):
     path.write_text(json.dumps({"tenants": [entry]}))
     with pytest.raises(ValueError, match="priority -3 is below its min_priority 0"):
         Tenants.from_file(path)
+
+
+def test_metrics_show_step_times_against_the_target_and_pauses(served):
+    url, _ = served
+    assert post(url, "/v1/completions", "sk-open").status_code == 200
+    text = httpx.get(url + "/metrics", headers={"authorization": "Bearer sk-open"}).text  # admin
+    samples = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(samples["prefixcache_step_seconds_count"]) >= 2  # prefill + a decode at least
+    assert float(samples['prefixcache_step_seconds_bucket{le="+Inf"}']) == float(
+        samples["prefixcache_step_seconds_count"]
+    )
+    assert float(samples["prefixcache_step_target_seconds"]) == 0.25
+    assert 'prefixcache_prefill_pauses_total{cause="priority"}' in samples

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.engine.request import Branch
-from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
+from prefixcache.engine.step_cost import StepCost, StepShape, StepTimes, chunk_attention
 
 MIN_PREFILL_CHUNK = 32  # tokens the first prefill of a step gets, whatever the target
 
@@ -100,6 +100,7 @@ class Scheduler:
         self.step_target = step_target  # seconds a step should take; None: tokens only
         self.step_cost = step_cost or StepCost()
         self.last_shape = StepShape()  # of the latest schedule(), for observe_step
+        self.step_times = StepTimes()  # measured forwards, for the metrics
         self.num_pauses = 0  # running prefills paused for a higher-priority arrival
 
     def add(self, branch: Branch) -> None:
@@ -118,8 +119,9 @@ class Scheduler:
         return chunks
 
     def observe_step(self, seconds: float) -> None:
-        """The latest scheduled step took ``seconds``: refit the cost model."""
+        """The latest scheduled step took ``seconds``: refit the cost model, count it."""
         self.step_cost.observe(self.last_shape, seconds)
+        self.step_times.observe(seconds)
 
     def _schedule_tokens(self) -> list[ScheduledChunk]:
         """Running branches first, then admissions, under the token budget only."""

@@ -75,3 +75,29 @@ class StepCost:
         prior = np.array(self.prior) * _SCALE
         solved = np.linalg.solve(self._gram + ridge, self._moment + ridge @ prior)
         self._theta = np.maximum(solved, 0.0)
+
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Measured step seconds as a cumulative histogram (published for Prometheus)."""
+
+    buckets: tuple[float, ...] = STEP_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, edge in enumerate(self.buckets) if seconds <= edge), -1)
+        self.counts[index] += 1
+        self.total += seconds
+
+    def cumulative(self) -> tuple[tuple[str, int], ...]:
+        """``(le, count)`` pairs, the last ``+Inf``: Prometheus's histogram buckets."""
+        edges = [f"{edge:g}" for edge in self.buckets] + ["+Inf"]
+        running, rows = 0, []
+        for edge, count in zip(edges, self.counts, strict=True):
+            running += count
+            rows.append((edge, running))
+        return tuple(rows)
