@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from prefixcache import KVCacheManager
 from prefixcache.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, step_shape
-from prefixcache.engine.step_cost import StepCost, StepShape
+from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
 from test_scheduler import finish_all, make_request, run_step
 
 # 10 ms a step, 1 ms a prefill token, nothing for context, 5 ms a decode row; 250 ms target.
@@ -143,3 +143,17 @@ def test_no_request_waits_past_the_bound_and_no_block_leaks(arrivals, max_num_se
         step += 1
         assert step < 500
     finish_all(scheduler)
+
+
+def test_the_fitted_chunk_is_the_largest_within_the_target():
+    cost = StepCost(prior=(0.010, 1e-3, 2e-7, 5e-3), learn=False)
+    base = StepShape(0, 3 * 900.0, 3)  # three decodes
+    for start in (0, 700, 3000):
+        n = cost.tokens_fitting(base, start, 2048, TARGET)
+
+        def with_chunk(count: int, start: int = start) -> float:
+            extra = chunk_attention(start, count)
+            return cost.predict(StepShape(count, base.attention + extra, base.decode_rows))
+
+        assert 0 < n < 2048 and with_chunk(n) <= TARGET < with_chunk(n + 1)
+    assert cost.tokens_fitting(StepShape(0, 0.0, 60), 0, 2048, TARGET) == 0  # over already

@@ -171,7 +171,8 @@ class Scheduler:
             start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
             room = budget
             if binding:
-                room = self._tokens_fitting(chunks, start, min(uncached, budget), target)
+                shape, limit = step_shape(chunks), min(uncached, budget)
+                room = self.step_cost.tokens_fitting(shape, start, limit, target)
             if not prefilled or self._aged(branch):  # progress, whatever the target
                 room = max(room, min(MIN_PREFILL_CHUNK, budget))
             if room == 0:
@@ -215,21 +216,6 @@ class Scheduler:
     def _aged(self, branch: Branch) -> bool:
         """Passed over (or left out while running) often enough to go ahead of everything."""
         return max(branch.passed_over, branch.skipped_steps) >= self.max_passed_over
-
-    def _tokens_fitting(
-        self, chunks: list[ScheduledChunk], start: int, limit: int, target: float
-    ) -> int:
-        """How many of ``limit`` prefill tokens after ``start`` keep the step within target."""
-        _, b, c, _ = self.step_cost.coefficients
-        left = target - self.step_cost.predict(step_shape(chunks))
-        if left <= 0:
-            return 0
-        linear = b + c * start  # cost of n tokens: linear * n + c / 2 * n^2
-        if c > 0:
-            n = (-linear + (linear * linear + 2 * c * left) ** 0.5) / c
-        else:
-            n = left / linear if linear > 0 else limit
-        return max(0, min(limit, int(n)))
 
     def _seat(self, branch: Branch, prefilled: set[Branch]) -> bool:
         """Admit ``branch``, pausing running prefills of a larger priority number if it

@@ -63,6 +63,20 @@ class StepCost:
         """Seconds the step is expected to take."""
         return float(shape.features() @ self._theta)
 
+    def tokens_fitting(self, shape: StepShape, start: int, limit: int, target: float) -> int:
+        """How many of ``limit`` more prefill tokens, after ``start`` computed ones, keep a
+        step of ``shape`` within ``target`` seconds (0 if it is already over)."""
+        _, b, c, _ = self.coefficients
+        left = target - self.predict(shape)
+        if left <= 0:
+            return 0
+        linear = b + c * start  # n more tokens cost linear * n + c / 2 * n^2
+        if c > 0:
+            n = (-linear + (linear * linear + 2 * c * left) ** 0.5) / c
+        else:
+            n = left / linear if linear > 0 else limit
+        return max(0, min(limit, int(n)))
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Fold a measured step into the fit (exponentially weighted, ridge to the prior)."""
         if not self.learn or seconds <= 0:
