@@ -157,3 +157,18 @@ def test_the_fitted_chunk_is_the_largest_within_the_target():
 
         assert 0 < n < 2048 and with_chunk(n) <= TARGET < with_chunk(n + 1)
     assert cost.tokens_fitting(StepShape(0, 0.0, 60), 0, 2048, TARGET) == 0  # over already
+
+
+def test_queue_time_is_counted_by_reason():
+    scheduler = timed_scheduler(max_num_seqs=1)
+    scheduler.add(make_request("long", list(range(3000))).branches[0])
+    run_step(scheduler)
+    scheduler.observe_step(0.5)  # alone: nobody waited
+    for i in range(2):
+        scheduler.add(make_request(f"short{i}", [4000 + i] * 10).branches[0])
+    run_step(scheduler)  # no seat for either
+    scheduler.observe_step(0.2)
+    assert scheduler.last_waits["seats"] == 2
+    assert scheduler.queue_seconds["seats"] == 0.4 and scheduler.queue_seconds["step_time"] == 0
+    assert scheduler.step_times.cumulative()[-1] == ("+Inf", 2)
+    finish_all(scheduler)

@@ -36,6 +36,7 @@ from prefixcache.cache import KVCacheManager
 from prefixcache.engine.request import Branch
 from prefixcache.engine.step_cost import StepCost, StepShape, StepTimes, chunk_attention
 
+WAIT_REASONS = ("step_time", "seats", "memory", "tier_load", "fairness")
 MIN_PREFILL_CHUNK = 32  # tokens the first prefill of a step gets, whatever the target
 
 
@@ -102,6 +103,8 @@ class Scheduler:
         self.last_shape = StepShape()  # of the latest schedule(), for observe_step
         self.step_times = StepTimes()  # measured forwards, for the metrics
         self.num_pauses = 0  # running prefills paused for a higher-priority arrival
+        self.last_waits: dict[str, int] = {}  # latest timed step: branches left waiting, why
+        self.queue_seconds: dict[str, float] = dict.fromkeys(WAIT_REASONS, 0.0)
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -122,6 +125,8 @@ class Scheduler:
         """The latest scheduled step took ``seconds``: refit the cost model, count it."""
         self.step_cost.observe(self.last_shape, seconds)
         self.step_times.observe(seconds)
+        for reason, count in self.last_waits.items():  # each waiting branch waited it out
+            self.queue_seconds[reason] += count * seconds
 
     def _schedule_tokens(self) -> list[ScheduledChunk]:
         """Running branches first, then admissions, under the token budget only."""
@@ -164,7 +169,8 @@ class Scheduler:
         admitted: list[Branch] = []
         busy, deferred = self._busy_owners(), set()
         prefilled: set[Branch] = set()
-        admitting = True  # until one waiting branch finds no seat: none behind it may pass
+        blocked = ""  # why the first waiting branch that found no seat or room waits
+        waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
         for branch, uncached in self._prefill_order():
             if budget == 0:
                 break
@@ -179,15 +185,19 @@ class Scheduler:
                 break
             if branch.seq is None:
                 owner = branch.request.owner
-                if not admitting:
+                if blocked:  # one found no seat or room: none behind it may pass
+                    waits[branch] = blocked
                     continue
                 if self.loader is not None and not self.loader.ready(branch):
+                    waits[branch] = "tier_load"
                     continue
                 if owner in deferred or (owner in busy and self._crowds_out(branch)):
                     deferred.add(owner)
+                    waits[branch] = "fairness"
                     continue
-                if not self._seat(branch, prefilled):
-                    admitting = False  # no seat or room, even by pausing; running ones go on
+                if not self._seat(branch, prefilled):  # even by pausing; running ones go on
+                    blocked = "seats" if len(self.running) >= self.max_num_seqs else "memory"
+                    waits[branch] = blocked
                     continue
                 admitted.append(branch)
                 busy.add(owner)
@@ -197,7 +207,15 @@ class Scheduler:
             budget -= chunk.num_tokens
         self._count_passed_over(admitted)
         self._count_skipped(prefilled)
+        self._count_waits(waits)
         return chunks
+
+    def _count_waits(self, waits: dict[Branch, str]) -> None:
+        """Why each branch still waiting waits: its own reason, else the step's time."""
+        counts = dict.fromkeys(WAIT_REASONS, 0)
+        for branch in self.waiting:
+            counts[waits.get(branch, "step_time")] += 1
+        self.last_waits = counts
 
     def _prefill_order(self) -> list[tuple[Branch, int]]:
         """Running prefills and waiting branches with their uncached tokens, in the order:

@@ -126,6 +126,14 @@ def step_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     )
     pauses.add_metric(["priority"], snapshot.num_pauses)
     yield pauses
+    queued = CounterMetricFamily(
+        "prefixcache_queue_seconds",
+        "Seconds branches waited for admission (steps x branches waiting), by reason",
+        labels=["reason"],
+    )
+    for reason, seconds in snapshot.queue_seconds:
+        queued.add_metric([reason], seconds)
+    yield queued
 
 
 def owner_metrics(
