@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import KVCacheManager
+from prefixcache.cli import build_parser
 from prefixcache.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, step_shape
 from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
 from test_scheduler import finish_all, make_request, run_step
@@ -172,3 +174,11 @@ def test_queue_time_is_counted_by_reason():
     assert scheduler.queue_seconds["seats"] == 0.4 and scheduler.queue_seconds["step_time"] == 0
     assert scheduler.step_times.cumulative()[-1] == ("+Inf", 2)
     finish_all(scheduler)
+
+
+def test_serve_takes_a_step_target_and_zero_turns_it_off(capsys):
+    assert build_parser().parse_args(["serve"]).step_target_ms == 250
+    assert build_parser().parse_args(["serve", "--step-target-ms", "0"]).step_target_ms == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--step-target-ms", "-5"])
+    assert "--step-target-ms" in capsys.readouterr().err
