@@ -182,3 +182,26 @@ def test_serve_takes_a_step_target_and_zero_turns_it_off(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--step-target-ms", "-5"])
     assert "--step-target-ms" in capsys.readouterr().err
+
+
+def test_an_aged_prompt_once_admitted_no_longer_goes_ahead_of_short_work():
+    slow = StepCost(prior=(0.010, 1e-3, 0.0, 0.1), learn=False)  # decodes fill the target
+    manager = KVCacheManager(num_blocks=1024, block_size=16)
+    scheduler = Scheduler(manager, step_target=TARGET, step_cost=slow, max_passed_over=2)
+    for i in range(3):
+        scheduler.add(make_request(f"stream{i}", [700 + i] * 4, max_tokens=500).branches[0])
+    run_step(scheduler)
+    long = make_request("long", list(range(3000))).branches[0]
+    scheduler.add(long)
+
+    def first_prefill(new: str) -> str:
+        scheduler.add(make_request(new, [9000 + len(new)] * 10, max_tokens=500).branches[0])
+        (prefill,) = [c for c in run_step(scheduler) if c.num_tokens > 1]
+        return prefill.branch.request.request_id
+
+    assert [first_prefill(f"s{i}") for i in range(2)] == ["s0", "s1"]  # long passed over
+    assert long.passed_over == 2 and long.seq is None
+    assert first_prefill("s22") == "long"  # aged: it goes first, and is admitted
+    assert long.passed_over == 0  # it had its turn
+    assert first_prefill("s333") == "s22"  # short work first again (s22 waited a step)
+    finish_all(scheduler)

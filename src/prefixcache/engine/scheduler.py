@@ -201,6 +201,7 @@ class Scheduler:
                     continue
                 admitted.append(branch)
                 busy.add(owner)
+                branch.passed_over = 0  # it had its turn: running, only skipped steps age it
             chunk = self._next_chunk(branch, room)
             chunks.append(chunk)
             prefilled.add(branch)
