@@ -10,6 +10,7 @@ from prefixcache import KVCacheManager
 from prefixcache.cli import build_parser
 from prefixcache.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, step_shape
 from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
+from prefixcache.protocol.access_log import waited_field
 from test_scheduler import finish_all, make_request, run_step
 
 # 10 ms a step, 1 ms a prefill token, nothing for context, 5 ms a decode row; 250 ms target.
@@ -173,6 +174,10 @@ def test_queue_time_is_counted_by_reason():
     assert scheduler.last_waits["seats"] == 2
     assert scheduler.queue_seconds["seats"] == 0.4 and scheduler.queue_seconds["step_time"] == 0
     assert scheduler.step_times.cumulative()[-1] == ("+Inf", 2)
+    short = scheduler.waiting[0].request
+    assert short.metrics.queue_seconds == {"seats": 0.2}  # what the access log says
+    assert waited_field([short.metrics.queue_seconds] * 2) == " waited=seats:0.40s"
+    assert waited_field([{}, {"step_time": 0.0}]) == ""
     finish_all(scheduler)
 
 

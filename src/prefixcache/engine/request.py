@@ -39,6 +39,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prefill_tokens: int = 0  # prompt tokens the model computed (not reused)
     lookup_seconds: float = 0.0  # time spent in the cache's admission lookups
+    queue_seconds: dict[str, float] = field(default_factory=dict)  # waits by reason (timed)
 
     @property
     def ttft(self) -> float | None:

@@ -105,6 +105,7 @@ class Scheduler:
         self.num_pauses = 0  # running prefills paused for a higher-priority arrival
         self.last_waits: dict[str, int] = {}  # latest timed step: branches left waiting, why
         self.queue_seconds: dict[str, float] = dict.fromkeys(WAIT_REASONS, 0.0)
+        self._left_waiting: list[tuple[Branch, str]] = []  # latest timed step's, and why
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -127,6 +128,9 @@ class Scheduler:
         self.step_times.observe(seconds)
         for reason, count in self.last_waits.items():  # each waiting branch waited it out
             self.queue_seconds[reason] += count * seconds
+        for branch, reason in self._left_waiting:
+            waits = branch.request.metrics.queue_seconds
+            waits[reason] = waits.get(reason, 0.0) + seconds
 
     def _schedule_tokens(self) -> list[ScheduledChunk]:
         """Running branches first, then admissions, under the token budget only."""
@@ -213,9 +217,10 @@ class Scheduler:
 
     def _count_waits(self, waits: dict[Branch, str]) -> None:
         """Why each branch still waiting waits: its own reason, else the step's time."""
+        self._left_waiting = [(b, waits.get(b, "step_time")) for b in self.waiting]
         counts = dict.fromkeys(WAIT_REASONS, 0)
-        for branch in self.waiting:
-            counts[waits.get(branch, "step_time")] += 1
+        for _, reason in self._left_waiting:
+            counts[reason] += 1
         self.last_waits = counts
 
     def _prefill_order(self) -> list[tuple[Branch, int]]:

@@ -27,6 +27,7 @@ from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol import openapi
+from prefixcache.protocol.access_log import waited_field
 from prefixcache.protocol.admission import InFlight, Ticket
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenant, Tenants
@@ -447,7 +448,7 @@ class _Done:
         key = f" cache_key={self.cache_key[:CACHE_KEY_LOG_CHARS]}" if self.cache_key else ""
         log.info(
             "%s%s tenant=%s prompts=%d prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
-            "status=%s",
+            "status=%s%s",
             self.request_id,
             key,
             self.tenant.name,
@@ -456,6 +457,7 @@ class _Done:
             sum(p.num_cached_tokens for p in parts),
             sum(len(o.token_ids) for p in parts for o in p.outputs),
             status,
+            waited_field(p.metrics.queue_seconds for p in parts),
         )
 
     def once(self, fan_in: FanIn) -> None:
