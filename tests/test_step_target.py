@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache import KVCacheManager
 from prefixcache.cli import build_parser
+from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, step_shape
 from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
 from prefixcache.protocol.access_log import waited_field
@@ -210,3 +212,20 @@ def test_an_aged_prompt_once_admitted_no_longer_goes_ahead_of_short_work():
     assert long.passed_over == 0  # it had its turn
     assert first_prefill("s333") == "s22"  # short work first again (s22 waited a step)
     finish_all(scheduler)
+
+
+def test_the_engine_feeds_every_forward_to_the_cost_model():
+    engine = tiny_engine()
+    assert engine.scheduler.step_target == 0.25  # on by default
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [100 + i] * (20 + 30 * i), greedy)
+    forwards = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        forwards += engine.scheduler.last_shape != StepShape()  # the step ran a forward
+    assert engine.scheduler.step_cost.num_observed == forwards >= 3
+    engine.publish_snapshot()
+    assert engine.snapshot.step_seconds[-1] == ("+Inf", forwards)
+    assert engine.snapshot.step_target == 0.25
+    assert_pool_clean(engine)
