@@ -32,6 +32,7 @@ def test_a_more_urgent_arrival_pauses_a_running_prefill_at_a_chunk_boundary():
     committed = long.seq.num_computed_tokens // 16 * 16  # its full blocks so far
     (chunk,) = run_step(scheduler)
     assert chunk.branch is urgent.branches[0] and long.seq is None and long.num_pauses == 1
+    assert scheduler.last_waits["priority"] == 1  # long: paused for more urgent work
     assert scheduler.num_pauses == 1 and manager.match(long.token_ids) == committed > 0  # cached
     scheduler.finish(urgent.branches[0])
     (chunk,) = run_step(scheduler)
@@ -134,3 +135,23 @@ def test_metrics_show_step_times_against_the_target_and_pauses(served):
     assert float(samples["prefixcache_step_target_seconds"]) == 0.25
     assert 'prefixcache_prefill_pauses_total{cause="priority"}' in samples
     assert 'prefixcache_queue_seconds_total{reason="seats"}' in samples
+
+
+def test_a_pause_for_room_in_the_pool_does_not_readmit_the_paused_one_at_once():
+    manager = KVCacheManager(num_blocks=20, block_size=16)
+    scheduler = Scheduler(manager, max_num_batched_tokens=64, step_target=0.25)
+    long = make_request("long", list(range(300))).branches[0]
+    scheduler.add(long)
+    run_step(scheduler)  # admitted with 19 blocks, 64 tokens computed
+    urgent = make_request("urgent", [7000] * 40)
+    urgent.priority = -1
+    scheduler.add(urgent.branches[0])
+    chunks = run_step(scheduler)
+    assert [c.branch for c in chunks] == [urgent.branches[0]]
+    assert long.seq is None and long in scheduler.waiting and scheduler.num_pauses == 1
+    assert scheduler.last_waits["priority"] == 1
+    scheduler.finish(urgent.branches[0])
+    while not long.output.token_ids:
+        run_step(scheduler)
+    assert long.num_pauses == 1  # resumed once the urgent one left, and completed
+    finish_all(scheduler)

@@ -36,7 +36,7 @@ from prefixcache.cache import KVCacheManager
 from prefixcache.engine.request import Branch
 from prefixcache.engine.step_cost import StepCost, StepShape, StepTimes, chunk_attention
 
-WAIT_REASONS = ("step_time", "seats", "memory", "tier_load", "fairness")
+WAIT_REASONS = ("step_time", "priority", "seats", "memory", "tier_load", "fairness")
 MIN_PREFILL_CHUNK = 32  # tokens the first prefill of a step gets, whatever the target
 
 
@@ -106,6 +106,7 @@ class Scheduler:
         self.last_waits: dict[str, int] = {}  # latest timed step: branches left waiting, why
         self.queue_seconds: dict[str, float] = dict.fromkeys(WAIT_REASONS, 0.0)
         self._left_waiting: list[tuple[Branch, str]] = []  # latest timed step's, and why
+        self._paused: set[Branch] = set()  # paused in the step being built
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -175,6 +176,7 @@ class Scheduler:
         prefilled: set[Branch] = set()
         blocked = ""  # why the first waiting branch that found no seat or room waits
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
+        self._paused.clear()
         for branch, uncached in self._prefill_order():
             if budget == 0:
                 break
@@ -187,6 +189,9 @@ class Scheduler:
                 room = max(room, min(MIN_PREFILL_CHUNK, budget))
             if room == 0:
                 break
+            if branch in self._paused:  # paused in this step: not back before the next
+                waits[branch] = "priority"
+                continue
             if branch.seq is None:
                 owner = branch.request.owner
                 if blocked:  # one found no seat or room: none behind it may pass
@@ -212,12 +217,20 @@ class Scheduler:
             budget -= chunk.num_tokens
         self._count_passed_over(admitted)
         self._count_skipped(prefilled)
-        self._count_waits(waits)
+        self._count_waits(waits, prefilled)
         return chunks
 
-    def _count_waits(self, waits: dict[Branch, str]) -> None:
-        """Why each branch still waiting waits: its own reason, else the step's time."""
-        self._left_waiting = [(b, waits.get(b, "step_time")) for b in self.waiting]
+    def _count_waits(self, waits: dict[Branch, str], prefilled: set[Branch]) -> None:
+        """Why each branch still waiting waits: its own reason, else more urgent work in the
+        step (``priority``), else the step's time."""
+        urgent = min((b.request.priority for b in prefilled), default=0)
+
+        def reason(branch: Branch) -> str:
+            if branch in waits:
+                return waits[branch]
+            return "priority" if branch.request.priority > urgent else "step_time"
+
+        self._left_waiting = [(b, reason(b)) for b in self.waiting]
         counts = dict.fromkeys(WAIT_REASONS, 0)
         for _, reason in self._left_waiting:
             counts[reason] += 1
@@ -273,6 +286,7 @@ class Scheduler:
         self._release(branch)
         branch.num_pauses += 1
         self.num_pauses += 1
+        self._paused.add(branch)
         self.waiting.appendleft(branch)
 
     def _count_skipped(self, prefilled: set[Branch]) -> None:
