@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.cache import KVCacheManager
@@ -71,6 +71,16 @@ class ScheduledChunk:
         """Whether this chunk reaches the branch's last token (so it samples one)."""
         assert self.branch.seq is not None
         return self.start + self.num_tokens == self.branch.seq.num_tokens
+
+
+@dataclass(slots=True)
+class _Admission:
+    """One timed step's admissions so far: owners running, owners deferred, admitted."""
+
+    busy: set[str | None]
+    deferred: set[str | None] = field(default_factory=set)
+    admitted: list[Branch] = field(default_factory=list)
+    blocked: str = ""  # why the first waiting branch that found no seat or room waits
 
 
 class Scheduler:
@@ -171,10 +181,8 @@ class Scheduler:
         chunks = [self._next_chunk(b, 1) for b in decodes]
         budget -= len(chunks)
         binding = len(self.running) + len(self.waiting) > 1
-        admitted: list[Branch] = []
-        busy, deferred = self._busy_owners(), set()
+        admission = _Admission(self._busy_owners())
         prefilled: set[Branch] = set()
-        blocked = ""  # why the first waiting branch that found no seat or room waits
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
         self._paused.clear()
         for branch, uncached in self._prefill_order():
@@ -189,36 +197,42 @@ class Scheduler:
                 room = max(room, min(MIN_PREFILL_CHUNK, budget))
             if room == 0:
                 break
+            why = None
             if branch in self._paused:  # paused in this step: not back before the next
-                waits[branch] = "priority"
+                why = "priority"
+            elif branch.seq is None:
+                why = self._admit_or_why_not(branch, admission, prefilled)
+            if why is not None:
+                waits[branch] = why
                 continue
-            if branch.seq is None:
-                owner = branch.request.owner
-                if blocked:  # one found no seat or room: none behind it may pass
-                    waits[branch] = blocked
-                    continue
-                if self.loader is not None and not self.loader.ready(branch):
-                    waits[branch] = "tier_load"
-                    continue
-                if owner in deferred or (owner in busy and self._crowds_out(branch)):
-                    deferred.add(owner)
-                    waits[branch] = "fairness"
-                    continue
-                if not self._seat(branch, prefilled):  # even by pausing; running ones go on
-                    blocked = "seats" if len(self.running) >= self.max_num_seqs else "memory"
-                    waits[branch] = blocked
-                    continue
-                admitted.append(branch)
-                busy.add(owner)
-                branch.passed_over = 0  # it had its turn: running, only skipped steps age it
             chunk = self._next_chunk(branch, room)
             chunks.append(chunk)
             prefilled.add(branch)
             budget -= chunk.num_tokens
-        self._count_passed_over(admitted)
+        self._count_passed_over(admission.admitted)
         self._count_skipped(prefilled)
         self._count_waits(waits, prefilled)
         return chunks
+
+    def _admit_or_why_not(
+        self, branch: Branch, admission: _Admission, prefilled: set[Branch]
+    ) -> str | None:
+        """Admit a waiting branch (None), or say why it waits (a ``WAIT_REASONS`` name)."""
+        owner = branch.request.owner
+        if admission.blocked:  # one found no seat or room: none behind it may pass
+            return admission.blocked
+        if self.loader is not None and not self.loader.ready(branch):
+            return "tier_load"  # its prompt's blocks are on their way from the tier
+        if owner in admission.deferred or (owner in admission.busy and self._crowds_out(branch)):
+            admission.deferred.add(owner)  # it waits for its own blocks; others may go first
+            return "fairness"
+        if not self._seat(branch, prefilled):  # even by pausing; running ones go on
+            admission.blocked = "seats" if len(self.running) >= self.max_num_seqs else "memory"
+            return admission.blocked
+        admission.admitted.append(branch)
+        admission.busy.add(owner)
+        branch.passed_over = 0  # it had its turn: running, only skipped steps age it
+        return None
 
     def _count_waits(self, waits: dict[Branch, str], prefilled: set[Branch]) -> None:
         """Why each branch still waiting waits: its own reason, else more urgent work in the
