@@ -180,6 +180,7 @@ class Scheduler:
         decodes = [b for b in self.running if is_decode(b)][:budget]
         chunks = [self._next_chunk(b, 1) for b in decodes]
         budget -= len(chunks)
+        shape = step_shape(chunks)  # what the step costs so far
         binding = len(self.running) + len(self.waiting) > 1
         admission = _Admission(self._busy_owners())
         prefilled: set[Branch] = set()
@@ -191,7 +192,7 @@ class Scheduler:
             start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
             room = budget
             if binding:
-                shape, limit = step_shape(chunks), min(uncached, budget)
+                limit = min(uncached, budget)
                 room = self.step_cost.tokens_fitting(shape, start, limit, target)
             if not prefilled or self._aged(branch):  # progress, whatever the target
                 room = max(room, min(MIN_PREFILL_CHUNK, budget))
@@ -207,6 +208,7 @@ class Scheduler:
                 continue
             chunk = self._next_chunk(branch, room)
             chunks.append(chunk)
+            shape = shape.with_prefill(chunk.start, chunk.num_tokens)
             prefilled.add(branch)
             budget -= chunk.num_tokens
         self._count_passed_over(admission.admitted)

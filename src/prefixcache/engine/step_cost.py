@@ -28,6 +28,11 @@ class StepShape:
     attention: float = 0.0
     decode_rows: int = 0
 
+    def with_prefill(self, start: int, num_tokens: int) -> StepShape:
+        """This step plus a prefill chunk of ``num_tokens`` after ``start`` computed ones."""
+        attention = self.attention + chunk_attention(start, num_tokens)
+        return StepShape(self.prefill_tokens + num_tokens, attention, self.decode_rows)
+
     def features(self) -> np.ndarray:
         raw = np.array([1.0, self.prefill_tokens, self.attention, self.decode_rows])
         return raw / _SCALE
