@@ -38,13 +38,16 @@ def cell_name(sig: int, group: bool) -> str:
     return f"{signal.Signals(sig).name} to {'group' if group else 'process'}"
 
 
-def launch(command: list[str], log: Path, **options) -> subprocess.Popen:
+def launch(
+    command: list[str], log: Path, env: dict[str, str] | None = None, **options
+) -> subprocess.Popen:
     """``command`` in a session of its own (so a group signal reaches it and its children
-    only), its output to ``log``."""
+    only), its output to ``log``, ``env`` added to the environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with log.open("w") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **options,
+            start_new_session=True, env=env, **options,
         )  # fmt: skip
     LAUNCHED.append(process)
     return process

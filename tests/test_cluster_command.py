@@ -97,17 +97,17 @@ def test_a_cluster_routes_restarts_a_dead_replica_and_stops_on_one_ctrl_c(tmp_pa
             process.kill()
 
 
-def test_the_cluster_passes_the_retention_budget_to_every_replica(tmp_path):
+def test_the_cluster_passes_the_retention_budget_and_kv_dtype_to_every_replica(tmp_path):
     import argparse
 
     from prefixcache.router.cluster import add_cluster_parser, plan_cluster
 
     parser = argparse.ArgumentParser()
     add_cluster_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["cluster", "--replicas", "2", "--retention-budget", "0.3"])
-    plan = plan_cluster(args, tmp_path)
+    flags = ["--retention-budget", "0.3", "--kv-cache-dtype", "int8"]
+    plan = plan_cluster(parser.parse_args(["cluster", "--replicas", "2", *flags]), tmp_path)
     for replica in plan.replicas:
-        at = replica.command.index("--retention-budget")
-        assert replica.command[at + 1] == "0.3"
+        for flag, value in zip(flags[::2], flags[1::2], strict=True):
+            assert replica.command[replica.command.index(flag) + 1] == value
     with pytest.raises(SystemExit):
         parser.parse_args(["cluster", "--retention-budget", "1.5"])

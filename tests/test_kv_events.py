@@ -120,6 +120,10 @@ def expected_wire(event: KVEvent) -> list[object]:
             event.lora_id,
             event.medium,
             None,  # lora_name
+            None,  # extra_keys (newer vLLM)
+            0,  # group_idx: the only group
+            "full_attention",  # kv_cache_spec_kind
+            event.kv_cache_dtype,  # ours, after vLLM's fields
         ]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]

@@ -25,18 +25,22 @@ LLM_D_TOPIC = "kv@pod-a@tiny"
 D = [digest("forms", i) for i in range(4)]
 # A round of what a replica with a disk tier sends: pool and tier stores, tier and pool removals.
 ROUND: list[KVEvent] = [
-    BlockStored([D[0], D[1]], None, [], 4, None, "cpu"),
-    BlockStored([D[2]], None, [], 4, None, "disk"),
+    BlockStored([D[0], D[1]], None, [], 4, None, "cpu", "bfloat16"),
+    BlockStored([D[2]], None, [], 4, None, "disk", "bfloat16"),
     BlockRemoved([D[2]], "disk"),
     BlockRemoved([D[1]], "cpu"),
     AllBlocksCleared(),
 ]
+# Newer vLLM's fields after lora_name, as a pool with one full-attention group has them.
+NEWER_VLLM = {"extra_keys": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
 # The same round as vLLM names its fields (the map form's keys, the array form's positions).
 ROUND_AS_VLLM: list[dict[str, Any]] = [
     {"type": "BlockStored", "block_hashes": [D[0], D[1]], "parent_block_hash": None,
-     "token_ids": [], "block_size": 4, "lora_id": None, "medium": "cpu", "lora_name": None},
+     "token_ids": [], "block_size": 4, "lora_id": None, "medium": "cpu", "lora_name": None,
+     **NEWER_VLLM, "kv_cache_dtype": "bfloat16"},
     {"type": "BlockStored", "block_hashes": [D[2]], "parent_block_hash": None,
-     "token_ids": [], "block_size": 4, "lora_id": None, "medium": "disk", "lora_name": None},
+     "token_ids": [], "block_size": 4, "lora_id": None, "medium": "disk", "lora_name": None,
+     **NEWER_VLLM, "kv_cache_dtype": "bfloat16"},
     {"type": "BlockRemoved", "block_hashes": [D[2]], "medium": "disk"},
     {"type": "BlockRemoved", "block_hashes": [D[1]], "medium": "cpu"},
     {"type": "AllBlocksCleared"},
@@ -105,7 +109,9 @@ def test_vllms_msgspec_structs_without_array_like_decode_the_map_form() -> None:
         lora_id: int | None
         medium: str | None
         lora_name: str | None
+        extra_keys: list | None = None
         group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
 
     class BlockRemoved(Event):
         block_hashes: list[bytes | int]
@@ -119,7 +125,12 @@ def test_vllms_msgspec_structs_without_array_like_decode_the_map_form() -> None:
     batch_type = msgspec.defstruct("Batch", fields, array_like=True, omit_defaults=True)
     batch = msgspec.msgpack.Decoder(batch_type).decode(encode_batch(2.0, ROUND, None, "map"))
     as_dicts = [msgspec.to_builtins(e, builtin_types=(bytes,)) for e in batch.events]
-    assert as_dicts == ROUND_AS_VLLM
+    # vLLM's struct has no kv_cache_dtype (ours): it reads the rest, and drops a nil default
+    vllms = [
+        {k: v for k, v in e.items() if k not in ("kv_cache_dtype", "extra_keys")}
+        for e in ROUND_AS_VLLM
+    ]
+    assert as_dicts == vllms
     assert [e.medium for e in batch.events[:4]] == ["cpu", "disk", "disk", "cpu"]
 
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import zmq
 
-from prefixcache.shutdown import TEARDOWN_SECONDS
+from prefixcache.shutdown import HOLD_VARIABLE, TEARDOWN_SECONDS
 from process_fixtures import descendants, exit_within, send, survivors
 from raw_http import Reply, connect, head, read_reply
 from router_fixtures import wait_until, write_tiny_hf_model
@@ -74,14 +74,6 @@ def starting_worker(pid: int) -> bool:
     return any("spawn_main" in command for command in descendants(pid).values())
 
 
-def has_torch(pid: int) -> bool:
-    """``pid`` has loaded torch: it is loading the model (start-up), not serving yet."""
-    try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return write_tiny_hf_model(tmp_path_factory.mktemp("stop") / "tiny")
@@ -111,8 +103,8 @@ def test_serve_stops_while_its_preparation_workers_start(tmp_path, model) -> Non
 def serve_at_start_up(work: Path, model: Path, sig: int, group: bool) -> Outcome:
     port = free_port()
     log = work / f"serve-{port}.log"
-    process = launch(serve_command(model, port), log)
-    wait_until(lambda: has_torch(process.pid), 60, "the model load")
+    process = launch(serve_command(model, port), log, env={HOLD_VARIABLE: "model-load"})
+    wait_until(lambda: "holding at model-load" in log.read_text(), 60, "the model load")
     outcome = stop(process, log, sig, group, DEADLINE)
     assert "prefixcache serving" not in log.read_text(), "the signal came after start-up"
     return outcome
@@ -121,6 +113,28 @@ def serve_at_start_up(work: Path, model: Path, sig: int, group: bool) -> Outcome
 def test_serve_stops_while_it_loads_its_model(tmp_path, model) -> None:
     cells = [(signal.SIGINT, True), (signal.SIGTERM, False)]
     outcomes = run_cells(cells, lambda sig, group: serve_at_start_up(tmp_path, model, sig, group))
+    assert_clean(outcomes)
+
+
+def serve_while_its_kernels_build(work: Path, sig: int, group: bool) -> Outcome:
+    """The default model with an empty cache folder: the signal while the compiler builds
+    the native kernels at start-up. Killing the g++ driver alone left cc1plus running."""
+    port = free_port()
+    log, cache = work / f"serve-{port}.log", work / f"cache-{port}"
+    command = prefixcache("serve", "--port", str(port), "--shutdown-timeout", str(SHUTDOWN))
+    process = launch(command, log, env={"PREFIXCACHE_CACHE_DIR": str(cache)})
+    compiling = lambda: any("cc1plus" in c for c in descendants(process.pid).values())  # noqa: E731
+    wait_until(compiling, 60, "the kernels' compiler")
+    outcome = stop(process, log, sig, group, DEADLINE)
+    assert not list(cache.rglob("*.so*")), "a half-built library stayed"
+    return outcome
+
+
+def test_serve_stops_while_its_kernels_build(tmp_path) -> None:
+    cells = [(signal.SIGTERM, False), (signal.SIGINT, True)]
+    outcomes = run_cells(
+        cells, lambda sig, group: serve_while_its_kernels_build(tmp_path, sig, group)
+    )
     assert_clean(outcomes)
 
 

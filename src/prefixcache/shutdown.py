@@ -11,6 +11,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +42,19 @@ def forget_caught_interrupts() -> None:
     killing itself with SIGINT (status -2) whatever the exit code. Every string evaluation
     clears the mark first, so an empty one does."""
     exec("")  # a constant empty string: the reset is the point
+
+
+HOLD_VARIABLE = "PREFIXCACHE_HOLD_AT"  # the stop tests' hook (tests/test_stop_signals.py)
+
+
+def hold_point(moment: str) -> None:
+    """If ``PREFIXCACHE_HOLD_AT`` names ``moment``, say so on stderr and wait here until a
+    signal ends the process: the stop tests signal exactly at that moment, not by luck."""
+    if os.environ.get(HOLD_VARIABLE) != moment:
+        return
+    print(f"prefixcache: holding at {moment}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
 
 
 def exit_after(
@@ -96,8 +111,9 @@ def kill_all(processes: list, timeout: float, hurry: Callable[[], bool] = lambda
     _wait_all(live, 5.0, lambda: False)  # SIGKILL is not refused: this only reaps them
 
 
-def kill_descendants() -> None:
-    """SIGKILL to every process below this one (read from /proc): a last resort."""
+def kill_descendants(root: int | None = None) -> None:
+    """SIGKILL to every process below ``root`` (this one by default; read from /proc): a
+    last resort."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -106,7 +122,7 @@ def kill_descendants() -> None:
                 open(f"/proc/{entry}/stat") as stat,
             ):
                 parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-    frontier, below = [os.getpid()], []
+    frontier, below = [os.getpid() if root is None else root], []
     while frontier:
         parent = frontier.pop()
         children = [pid for pid, ppid in parents.items() if ppid == parent]
@@ -115,6 +131,15 @@ def kill_descendants() -> None:
     for pid in below:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL to ``process`` and everything below it (a compiler driver's cc1plus, as, ld:
+    killing the driver alone leaves them running), then reap it."""
+    kill_descendants(process.pid)
+    with contextlib.suppress(OSError):
+        process.kill()
+    process.wait()
 
 
 def _alive(process) -> bool:

@@ -31,6 +31,7 @@ class BlockStored:
     block_size: int = DEFAULT_BLOCK_SIZE
     lora_id: int | None = None
     medium: str | None = MEDIUM_POOL
+    kv_cache_dtype: str | None = None  # what the blocks' K/V are stored as (ours, not vLLM's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ class KVCacheManager:
 
     _event_sink: EventSink | None = None  # see set_event_sink
     _event_token_ids = False
+    _event_kv_dtype: str | None = None
     removals: RemovalReporter | None = None  # while events are reported
 
     def __init__(
@@ -113,14 +114,22 @@ class KVCacheManager:
         self.observer = observer
         self.pool.on_evict.append(observer.evicted)
 
-    def set_event_sink(self, sink: EventSink | None, *, token_ids: bool = False) -> None:
+    def set_event_sink(
+        self,
+        sink: EventSink | None,
+        *,
+        token_ids: bool = False,
+        kv_cache_dtype: str | None = None,
+    ) -> None:
         """Report KV events to ``sink`` (None: stop); token ids, prompt text, only if asked.
 
-        ``BlockStored`` when content becomes matchable, ``BlockRemoved`` when its last
-        indexed copy leaves the pool, ``AllBlocksCleared`` on ``reset``.
+        ``BlockStored`` when content becomes matchable (with the pool's ``kv_cache_dtype``,
+        if given), ``BlockRemoved`` when its last indexed copy leaves the pool,
+        ``AllBlocksCleared`` on ``reset``.
         """
         self._event_sink = sink
         self._event_token_ids = token_ids
+        self._event_kv_dtype = kv_cache_dtype
         if self.removals is not None:
             self.removals.detach()
         self.removals = None if sink is None else RemovalReporter(self.pool, sink)
@@ -528,6 +537,7 @@ class KVCacheManager:
             block_size=size,
             lora_id=None,
             medium=MEDIUM_POOL,
+            kv_cache_dtype=self._event_kv_dtype,
         )
         self._event_sink(event)
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.common import cdiv
+from prefixcache.engine.kv_quant import dequantize_int8
 
 # When a cascade group pays (see `benchmarks/attention.py --threshold`): a group costs a
 # roughly fixed extra attention call and merge per layer, and saves gathering its shared
@@ -410,9 +411,14 @@ def gather_context(
 
 
 def _gather(cache: torch.Tensor, which: int, block_ids: torch.Tensor) -> torch.Tensor:
-    """K (which=0) or V (1) of `block_ids`, concatenated: `[len * block_size, heads, dim]`."""
+    """K (which=0) or V (1) of `block_ids`, concatenated: `[len * block_size, heads, dim]`.
+
+    An int8 cache (uint8 rows of codes and scale, `kv_quant.py`) comes back dequantized
+    to fp32; a bf16 one as stored (callers convert to the query's dtype, exactly).
+    """
     blocks = cache.select(1, which).index_select(0, block_ids)
-    return blocks.view(-1, cache.shape[3], cache.shape[4])
+    rows = blocks.view(-1, cache.shape[3], cache.shape[4])
+    return dequantize_int8(rows) if cache.dtype == torch.uint8 else rows
 
 
 def _decode_kv(

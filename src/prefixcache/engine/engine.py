@@ -29,7 +29,7 @@ from prefixcache.engine.config import (
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.grammar import grammar_cache
-from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.models import build_model
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
@@ -80,6 +80,7 @@ class EngineConfig:
     eviction_policy: str = DEFAULT_POLICY
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
+    kv_cache_dtype: str | None = None  # the pool's K/V: float32, bfloat16, int8; None: dtype
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
     seed: int = 0
@@ -106,6 +107,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model, self.int4_weights = self._model(loaded, config)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype) if config.kv_cache_dtype else config.dtype
+        self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")  # its name
         self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
         self.kv_store = KVStore(
             model_config.num_layers,
@@ -113,14 +116,14 @@ class LLMEngine:
             config.block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
-            dtype=config.dtype,
+            dtype=self.kv_dtype,
         )
         namespace = Namespace(
             model=model_config.name,
             revision=model_config.revision,
             dtype=str(config.dtype).removeprefix("torch."),
             block_size=config.block_size,
-            extra=(("weights", "int4"),) if self.int4_weights else (),
+            extra=self._namespace_extra(),
         )
         self.manager = KVCacheManager(
             self.num_blocks,
@@ -182,8 +185,9 @@ class LLMEngine:
         return TierLink(client, keys, self.manager, self.kv_store, *waits)
 
     def set_event_sink(self, sink: EventSink, token_ids: bool = False) -> None:
-        """Report KV events to ``sink``: the pool's, and the tier's with its medium."""
-        self.manager.set_event_sink(sink, token_ids=token_ids)
+        """Report KV events to ``sink``: the pool's, and the tier's with its medium; stored
+        blocks name the pool's KV dtype."""
+        self.manager.set_event_sink(sink, token_ids=token_ids, kv_cache_dtype=self.kv_cache_dtype)
         if self.tier is not None:
             self.tier.report_events(sink)
 
@@ -210,14 +214,23 @@ class LLMEngine:
         model.load_weights(loaded.state_dict)
         return model, []
 
+    def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
+        """What else changes the KV values: int4 weights, a KV dtype other than the model's
+        (so digests stay as they were without one, and KV of another dtype is never looked
+        up, in the tier or by a router)."""
+        extra = [("weights", "int4")] if self.int4_weights else []
+        if self.kv_dtype != self.config.dtype:
+            extra.append(("kv_cache_dtype", self.kv_cache_dtype))
+        return tuple(extra)
+
     def _blocks_for_bytes(self, budget: int) -> int:
-        """How many KV blocks fit in ``budget`` bytes."""
+        """How many KV blocks fit in ``budget`` bytes (at the pool's KV dtype)."""
         per_block = KVStore.bytes_per_block(
             self.model_config.num_layers,
             self.config.block_size,
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
-            self.config.dtype,
+            self.kv_dtype,
         )
         if budget < per_block:
             raise ValueError(f"kv_cache_bytes {budget} is below one block ({per_block} bytes)")

@@ -1,12 +1,13 @@
 """One sequence's forward, all layers in one native call (`kernels/decode_layer.cpp`).
 
 The eager `DecoderLayer` runs ~25 torch ops per layer, and for a few tokens their Python and
-dispatch overhead costs as much as the matmuls. When the model is fp32 on int4 weights with
-an fp32 KV store, the native kernels load, and the batch is one sequence adding at most
-`MAX_FUSED_ROWS` tokens (a decode step, or a short prompt or prompt suffix), the layers run
-in one call instead: the same int4 kernel for the projections (the same numbers), norms,
-RoPE, the K/V stores (the sequence's contiguous copy, `lone_decode.py`, and the paged pool)
-and causal attention in C++. Anything else takes the eager path.
+dispatch overhead costs as much as the matmuls. When the model is fp32 on int4 weights (with
+an fp32, bf16 or int8 KV store), the native kernels load, and the batch is one sequence
+adding at most `MAX_FUSED_ROWS` tokens (a decode step, or a short prompt or prompt suffix),
+the layers run in one call instead: the same int4 kernel for the projections (the same
+numbers), norms, RoPE, the K/V stores (the paged pool in its dtype, and the sequence's
+contiguous fp32 copy, `lone_decode.py`, holding the values as stored) and causal attention
+in C++. Anything else takes the eager path.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The eager path runs up to this many rows on the int4 kernel (more on the dense matmul): the
 # fused path takes the same, so both compute a chunk's projections with the same kernel.
 MAX_FUSED_ROWS = MAX_INT4_ROWS
+FUSED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # pools the kernel writes
 
 
 def fused_supported(config: ModelConfig) -> bool:
@@ -46,7 +48,7 @@ def fused_applies(model: LlamaModel, kv_store: KVStore) -> bool:
     return (
         fused_supported(model.config)
         and model.dtype == torch.float32
-        and kv_store.dtype == torch.float32
+        and kv_store.dtype in FUSED_KV_DTYPES
         and all(
             isinstance(getattr(layer, p), Int4Linear)
             for layer in model.layers

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache.engine.attention import AttentionMetadata, gather_context
+from prefixcache.engine.kv_store import KVStore
 
 
 class LoneDecode:
@@ -34,11 +35,16 @@ class LoneDecode:
         self._forward = 0
 
     def prepare(
-        self, metadata: AttentionMetadata, cache: torch.Tensor, num_layers: int, max_rows: int = 1
+        self,
+        metadata: AttentionMetadata,
+        kv_store: KVStore,
+        dtype: torch.dtype,
+        max_rows: int = 1,
     ) -> bool:
         """Start a forward; True when one sequence adds at most `max_rows` tokens (a lone
         decode when 1), its copy then covering them: `extend` (eager) or `refill` (fused)
-        every layer."""
+        every layer. The copy holds the pool's values as read (int8 dequantized), in the
+        wider of the store's and the model's `dtype`."""
         self._forward += 1
         table = metadata.lone_table
         if table is None or metadata.query_lens[0] > max_rows:
@@ -49,19 +55,21 @@ class LoneDecode:
             and length == self.length + new
             and table[: len(self.table)] == self.table
         )
-        if not self.keys or length > self.keys[0].shape[1]:
-            self._allocate(length, cache, num_layers)
+        values = torch.float32 if kv_store.dtype == torch.int8 else kv_store.dtype
+        dtype = torch.promote_types(values, dtype)
+        if not self.keys or length > self.keys[0].shape[1] or self.keys[0].dtype != dtype:
+            self._allocate(length, kv_store, dtype)
         if self.rebuild:
             self._block_ids = torch.tensor(table, dtype=torch.long)
         self.table, self.length, self._previous_forward = table, length, self._forward
         self.new_tokens = new
         return True
 
-    def _allocate(self, length: int, cache: torch.Tensor, num_layers: int) -> None:
+    def _allocate(self, length: int, kv_store: KVStore, dtype: torch.dtype) -> None:
         capacity = max(256, 1 << (length - 1).bit_length())
-        shape = (cache.shape[3], capacity, cache.shape[4])
-        self.keys = [torch.empty(shape, dtype=cache.dtype) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=cache.dtype) for _ in range(num_layers)]
+        shape = (kv_store.num_kv_heads, capacity, kv_store.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(kv_store.num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(kv_store.num_layers)]
         self.rebuild = True
 
     def extend(

@@ -52,6 +52,8 @@ class EngineSnapshot:
     taken_at: float  # time.monotonic() when built
     block_size: int
     num_blocks: int
+    kv_cache_dtype: str  # what the pool stores K/V as
+    kv_bytes_per_token: int  # one cached token across all layers, K and V (int8: scales too)
     enable_prefix_caching: bool
     num_free_blocks: int
     usage: float  # share of blocks held by live requests
@@ -85,6 +87,8 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         taken_at=time.monotonic(),
         block_size=manager.block_size,
         num_blocks=manager.num_blocks,
+        kv_cache_dtype=engine.kv_cache_dtype,
+        kv_bytes_per_token=engine.kv_store.bytes_per_token,
         enable_prefix_caching=engine.config.enable_prefix_caching,
         num_free_blocks=manager.num_free_blocks,
         usage=manager.usage,

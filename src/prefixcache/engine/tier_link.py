@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
+import torch
+
 from prefixcache.cache import KVCacheManager
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.events import BlockRemoved, BlockStored, EventSink
@@ -28,15 +30,20 @@ from prefixcache.tier.client import Chain
 from prefixcache.tier.seal import TierKeys
 
 KV_LAYOUT = "layer,kv,token,kv_head,head_dim"
+# int8: each row is head_dim int8 codes then their fp32 scale (absmax / 127), as bytes.
+KV_LAYOUT_INT8 = "layer,kv,token,kv_head,int8[head_dim]+float32_scale"
 DEFAULT_SECONDS_PER_TOKEN = 2e-3  # prefill cost before the engine has measured its own
 DEADLINE_SHARE = 0.5  # wait at most this share of the compute the load would save
 
 
 def block_format(manager: KVCacheManager, kv_store: KVStore) -> BlockFormat:
-    """What every tier value of this engine must match (model namespace, dtype, layout)."""
+    """What every tier value of this engine must match (model namespace, KV dtype, layout):
+    a value of another KV dtype never loads (its namespace differs too, so it is not even
+    looked up: a miss)."""
     itemsize = kv_store.layers[0].element_size()
     dtype = str(kv_store.dtype).removeprefix("torch.")
-    return BlockFormat(manager.root_digest, dtype, KV_LAYOUT, kv_store.block_shape, itemsize)
+    layout = KV_LAYOUT_INT8 if kv_store.dtype == torch.int8 else KV_LAYOUT
+    return BlockFormat(manager.root_digest, dtype, layout, kv_store.block_shape, itemsize)
 
 
 @dataclass(slots=True)
@@ -157,7 +164,8 @@ class TierLink:
             copies = self.kv_store.read_blocks(ids)
             rows = zip(copies, digests, depths, keys, ttls, strict=True)
             for copy, digest, depth, key, ttl in rows:
-                self.client.submit_write(digest, depth, copy.numpy().tobytes, key, ttl)
+                payload = copy.reshape(-1).view(torch.uint8).numpy()  # numpy has no bf16
+                self.client.submit_write(digest, depth, payload.tobytes, key, ttl)
 
     def _retain_earlier(self, blocks: list[Block]) -> None:
         """Extend the tier's retention of blocks computed before this forward (no payload)."""
@@ -169,9 +177,10 @@ class TierLink:
     def report_events(self, sink: EventSink) -> None:
         """Tell ``sink`` of blocks stored in (and evicted from) the tier, with its medium."""
         medium, block_size = self.client.medium, self.manager.block_size
+        dtype = str(self.kv_store.dtype).removeprefix("torch.")
 
         def stored(digest: bytes) -> None:
-            sink(BlockStored([digest], None, [], block_size, None, medium))
+            sink(BlockStored([digest], None, [], block_size, None, medium, dtype))
 
         def removed(digests: list[bytes]) -> None:
             sink(BlockRemoved(list(digests), medium))

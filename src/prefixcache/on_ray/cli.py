@@ -54,6 +54,9 @@ def add_ray_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key-file")
     parser.add_argument("--tenant-secret-file", help="default: a new one for this run")
     parser.add_argument("--kv-cache-bytes", type=int, help="each replica's KV pool")
+    parser.add_argument(
+        "--kv-cache-dtype", metavar="DTYPE", help="each replica's `serve --kv-cache-dtype`"
+    )
     parser.add_argument("--retention-budget", type=unit_share)
     parser.add_argument("--fair-cache", action="store_true", help="tenant-fair eviction")
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
@@ -247,6 +250,7 @@ def _serve_flags(args: argparse.Namespace) -> tuple[str, ...]:
     for flag, value in (
         ("--model", args.model),
         ("--kv-cache-bytes", args.kv_cache_bytes),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--retention-budget", args.retention_budget),
     ):
         if value is not None:

@@ -5,16 +5,20 @@ Each batch is one PUB message of three frames, ``[topic, seq, payload]``: ``seq`
 with each event an array tagged by its class name, field order as in vLLM::
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-     medium, lora_name]
+     medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_dtype]
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
 
 vLLM encodes these with msgspec ``array_like=True`` structs, where ``omit_defaults`` has no
 effect: every field is written, ``None`` as nil, and a decoder ignores extra trailing
-elements. That is the ``array`` form; the ``map`` form (newer vLLM, TensorRT-LLM: event
-structs without ``array_like``) writes each event as a map tagged by ``"type"`` with the same
-field names, ``{"type": "BlockRemoved", "block_hashes": [...], "medium": "cpu"}``, inside
-the same positional batch. ``decode_batch`` reads both.
+elements. ``extra_keys``, ``group_idx`` and ``kv_cache_spec_kind`` are newer vLLM's
+(written nil, 0, "full_attention": one pool where every layer keeps every token), and
+``kv_cache_dtype`` is ours, after them ("float32", "bfloat16", "int8": vLLM has no such
+field; a reader of vLLM's schema ignores it). That is the ``array`` form; the ``map`` form
+(newer vLLM, TensorRT-LLM: event structs without ``array_like``) writes each event as a
+map tagged by ``"type"`` with the same field names, ``{"type": "BlockRemoved",
+"block_hashes": [...], "medium": "cpu"}``, inside the same positional batch.
+``decode_batch`` reads both.
 
 A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and gets every
 buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end marker
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any, NamedTuple
 
 import msgpack
@@ -53,6 +58,10 @@ WIRE_FIELDS: dict[str, tuple[str, ...]] = {
         "lora_id",
         "medium",
         "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_dtype",
     ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
@@ -64,8 +73,13 @@ _RECORDS: dict[str, type[KVEvent]] = {
 }
 
 
+# What newer vLLM's trailing fields are for every block here: no extra keys (the salt and
+# LoRA are in the digest), the only KV cache group, full attention.
+VLLM_GROUP_FIELDS = (None, 0, "full_attention")
+
+
 def _event_to_wire(event: KVEvent) -> list[Any]:
-    """One event as vLLM's tagged array (``lora_name`` is always nil here)."""
+    """One event as vLLM's tagged array (``lora_name`` is always nil here), then ours."""
     if isinstance(event, BlockStored):
         return [
             "BlockStored",
@@ -76,6 +90,8 @@ def _event_to_wire(event: KVEvent) -> list[Any]:
             event.lora_id,
             event.medium,
             None,
+            *VLLM_GROUP_FIELDS,
+            event.kv_cache_dtype,
         ]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", list(event.block_hashes), event.medium]
@@ -122,8 +138,8 @@ def _event_from_wire(item: Any) -> KVEvent | None:
     record = _RECORDS.get(tag) if isinstance(tag, str) else None
     if record is None:
         return None  # an event kind we do not track (vLLM has transfer events too)
-    values.pop("lora_name", None)  # not in our records; the LoRA is in the digest
-    return record(**values)
+    known = {f.name for f in fields(record)}  # lora_name, extra_keys, group_idx: in the digest
+    return record(**{name: value for name, value in values.items() if name in known})
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:

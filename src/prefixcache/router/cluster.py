@@ -110,6 +110,9 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--tenant-secret-file", help="default: a new one in a temp folder")
     cluster.add_argument("--kv-cache-bytes", type=int, help="each replica's KV pool")
     cluster.add_argument(
+        "--kv-cache-dtype", metavar="DTYPE", help="each replica's `serve --kv-cache-dtype`"
+    )
+    cluster.add_argument(
         "--retention-budget", type=unit_share, help="each replica's default retention share"
     )
     cluster.add_argument("--threads", type=int, help="per replica (default: cores / replicas)")
@@ -164,6 +167,7 @@ def _serve_command(
         ("--kv-tier", f"env:{TIER_ENV}" if tier else None),
         ("--api-key-file", args.api_key_file),
         ("--kv-cache-bytes", args.kv_cache_bytes),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--retention-budget", args.retention_budget),
     ):
         if value is not None:

@@ -91,6 +91,14 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     ]
     for name, documentation, value in gauges:
         yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
+    per_token = GaugeMetricFamily(
+        "prefixcache_kv_bytes_per_token",
+        "Bytes one cached token takes in the KV pool: all layers, K and V, int8 scales "
+        "included; by the pool's KV dtype",
+        labels=["dtype"],
+    )
+    per_token.add_metric([snapshot.kv_cache_dtype], snapshot.kv_bytes_per_token)
+    yield per_token
     hits = CounterMetricFamily(
         "prefixcache_cached_tokens", "Prompt tokens not computed, by source", labels=["source"]
     )

@@ -9,6 +9,7 @@ eager torch path and says so once in the log.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import logging
@@ -22,6 +23,7 @@ import torch
 from torch.utils import cpp_extension
 
 from prefixcache.engine.cache_folder import default_cache_dir
+from prefixcache.shutdown import kill_tree
 
 SOURCES = (
     "ops.cpp",
@@ -39,6 +41,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
 _HERE = Path(__file__).resolve().parent
 
 log = logging.getLogger(__name__)
+_COMPILING: set[subprocess.Popen] = set()  # compiler drivers running now
 
 
 class BuildError(RuntimeError):
@@ -75,16 +78,39 @@ def build(path: Path) -> Path:
     sources = [str(_HERE / name) for name in SOURCES if name.endswith(".cpp")]
     command = [compiler, *FLAGS, *includes, *sources, f"-L{lib}", f"-Wl,-rpath,{lib}"]
     command += ["-ltorch", "-ltorch_cpu", "-lc10", "-o", str(temporary)]
-    try:  # on Ctrl-C, run() kills the compiler before re-raising: no half-built file stays
-        done = subprocess.run(command, capture_output=True, text=True)
-    except BaseException:
+    returncode, errors = _compile(command, temporary)
+    if returncode != 0:
         temporary.unlink(missing_ok=True)
-        raise
-    if done.returncode != 0:
-        temporary.unlink(missing_ok=True)
-        raise BuildError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        raise BuildError(f"{compiler} failed: {errors.strip()[-2000:]}")
     os.replace(temporary, path)
     return path
+
+
+def _compile(command: list[str], temporary: Path) -> tuple[int, str]:
+    """Run the compiler (in our process group: a terminal's Ctrl-C reaches it). If this
+    thread is interrupted (Ctrl-C, SIGTERM), or the process exits while another thread
+    builds, the driver and everything below it are killed: nothing outlives us, no
+    half-built file stays."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    _COMPILING.add(process)
+    try:
+        _, errors = process.communicate()
+    except BaseException:
+        kill_tree(process)
+        temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        _COMPILING.discard(process)
+    return process.returncode, errors
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    """At exit: no compiler of ours keeps running (a build in a thread the exit left)."""
+    for process in list(_COMPILING):
+        kill_tree(process)
 
 
 @functools.cache

@@ -3,6 +3,8 @@
 // attention in C++ loops, instead of ~25 torch ops, each with its Python and dispatch cost.
 #include "decode_layer.h"
 
+#include "round_bf16.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -48,7 +50,35 @@ void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* s
   }
 }
 
-// Rotate each new token's q and k, then store its k and v in the copy and the paged cache.
+// One head's row x [dim] into the cache at `out` as `format` keeps it; x becomes the values
+// a read gives back (engine/kv_store.py's write and engine/kv_quant.py, bit for bit).
+void store_row(float* x, int64_t dim, KVFormat format, uint8_t* out) {
+  if (format == KVFormat::kFloat32) {
+    std::memcpy(out, x, dim * sizeof(float));
+  } else if (format == KVFormat::kBFloat16) {
+    for (int64_t i = 0; i < dim; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, x + i, sizeof bits);
+      bits = round_bf16_bits(bits);
+      uint16_t high = static_cast<uint16_t>(bits >> 16);
+      std::memcpy(out + 2 * i, &high, sizeof high);
+      std::memcpy(x + i, &bits, sizeof bits);
+    }
+  } else {
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+    const float scale = absmax * static_cast<float>(1.0 / 127.0);
+    for (int64_t i = 0; i < dim; ++i) {
+      float code = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
+      code = std::min(127.0f, std::max(-127.0f, code));
+      out[i] = static_cast<uint8_t>(static_cast<int8_t>(code));
+      x[i] = code * scale;
+    }
+    std::memcpy(out + dim, &scale, sizeof scale);
+  }
+}
+
+// Rotate each new token's q and k, then store its k and v in the paged cache and the copy.
 void store_kv(float* qkv, int64_t tokens, const LayerShape& s, const float* cos,
               const float* sin, const KVTarget& kv) {
   int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
@@ -58,10 +88,14 @@ void store_kv(float* qkv, int64_t tokens, const LayerShape& s, const float* cos,
   for (int64_t t = 0; t < tokens; ++t) {
     float* token = qkv + t * row;
     rope(token, s.heads + s.kv_heads, s.head_dim, cos + t * s.head_dim, sin + t * s.head_dim);
-    const float* k = token + q_size;
-    const float* v = k + kv_size;
-    std::memcpy(kv.cache + kv.rows[2 * t] * kv_size, k, kv_size * sizeof(float));
-    std::memcpy(kv.cache + kv.rows[2 * t + 1] * kv_size, v, kv_size * sizeof(float));
+    float* k = token + q_size;
+    float* v = k + kv_size;
+    uint8_t* k_out = kv.cache + kv.rows[2 * t] * s.kv_heads * kv.head_bytes;
+    uint8_t* v_out = kv.cache + kv.rows[2 * t + 1] * s.kv_heads * kv.head_bytes;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      store_row(k + h * s.head_dim, s.head_dim, kv.format, k_out + h * kv.head_bytes);
+      store_row(v + h * s.head_dim, s.head_dim, kv.format, v_out + h * kv.head_bytes);
+    }
     int64_t position = kv.length - tokens + t;
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       int64_t at = (h * capacity + position) * s.head_dim;

@@ -24,14 +24,21 @@ struct LayerShape {
   float eps, scale;
 };
 
-// Where the new tokens' K/V go: the sequence's contiguous copy (`keys`, `values`
+// How the paged cache stores a (token, KV head) row of `dim` values: fp32, bf16, or int8
+// codes followed by their fp32 scale, absmax / 127 (engine/kv_quant.py), dim + 4 bytes.
+enum class KVFormat { kFloat32, kBFloat16, kInt8 };
+
+// Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`
 // [kv, capacity, dim]), which holds `length` tokens once they are in, the last T of them
-// new; and, for new token i, its K and V rows of the paged cache (`cache` + row * kv * dim).
+// new; and, for new token i, its K and V rows of the paged cache (`cache` + row *
+// `row_bytes`), each of kv heads' rows in `format`. The copy gets the values as stored.
 struct KVTarget {
   at::Tensor keys, values;
   int64_t length;
-  float* cache;
+  uint8_t* cache;
   const int64_t* rows;  // [T, 2]: K row, V row
+  KVFormat format;
+  int64_t head_bytes;  // one head's row in the cache
 };
 
 // h [T, hidden] += attention(norm(h)), then += mlp(norm(h)): model.DecoderLayer's numbers

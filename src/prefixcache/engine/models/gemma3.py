@@ -101,7 +101,7 @@ class Gemma3Layer(nn.Module):
         q = apply_rope(rms_norm(qk[:, : self.num_heads], self.q_norm, self.eps), *rope)
         k = apply_rope(rms_norm(qk[:, self.num_heads :], self.k_norm, self.eps), *rope)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
-        kv_store.write(layer, k, v, metadata.slot_mapping)
+        k, v = kv_store.write(layer, k, v, metadata.slot_mapping)
         seen = metadata.windowed(self.window)
         out = paged_attention(q.contiguous(), kv_store.layers[layer], seen, self.scale, k, v)
         return out.reshape(num_tokens, -1)

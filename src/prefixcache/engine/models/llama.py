@@ -231,7 +231,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
-        kv_store.write(layer, k, v, metadata.slot_mapping)
+        k, v = kv_store.write(layer, k, v, metadata.slot_mapping)
         if lone is not None:
             keys, values = lone.extend(layer, k, v, kv_store.layers[layer])
             return lone_attention(q, keys, values, self.scale).reshape(num_tokens, -1)
@@ -290,7 +290,7 @@ class LlamaModel(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens)
         use_fused = fused and fused_applies(self, kv_store)
         max_rows = MAX_FUSED_ROWS if use_fused else 1
-        is_lone = self.lone.prepare(metadata, kv_store.layers[0], len(self.layers), max_rows)
+        is_lone = self.lone.prepare(metadata, kv_store, self.dtype, max_rows)
         if use_fused and is_lone:
             h = fused_decode(self, h, positions, metadata, kv_store)
             return rms_norm(h, self.norm, self.config.rms_norm_eps)
