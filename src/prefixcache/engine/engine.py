@@ -399,8 +399,9 @@ class LLMEngine:
         except Exception:
             self._drop_failed_step()
             raise
-        self._track_speed(batch.num_tokens, time.perf_counter() - started)
-        self.scheduler.observe_step(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._track_speed(batch.num_tokens, elapsed)
+        self.scheduler.observe_step(elapsed)  # the step cost model learns the forward's time
         if self.tier is not None:  # their KV is computed now: copy it out for the tier
             self.tier.write_computed(chunks)
         return logits
