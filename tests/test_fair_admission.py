@@ -55,7 +55,9 @@ def test_an_owner_over_its_share_is_not_protected(make_manager):
 
 
 def test_a_busy_tenant_waits_while_another_tenant_goes_ahead_and_hits():
-    engine = tiny_engine(num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512)
+    engine = tiny_engine(  # FCFS (no step target): else a2, cached, would go first anyway
+        num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512, step_target_ms=None
+    )
     system = unique(32, 0)  # 8 blocks of 4
     engine.add_request("a1", system + [5], GREEDY, owner="A")
     run_to_completion(engine)
@@ -72,7 +74,7 @@ def test_a_busy_tenant_waits_while_another_tenant_goes_ahead_and_hits():
 
 
 def test_without_fair_cache_nobody_is_deferred():
-    engine = tiny_engine(num_kv_blocks=24, max_num_batched_tokens=512)
+    engine = tiny_engine(num_kv_blocks=24, max_num_batched_tokens=512, step_target_ms=None)
     system = unique(32, 0)
     engine.add_request("a1", system + [5], GREEDY, owner="A")
     run_to_completion(engine)
@@ -84,4 +86,22 @@ def test_without_fair_cache_nobody_is_deferred():
     finals = run_to_completion(engine)
     assert finals["a2"].num_cached_tokens < 32  # b2 evicted A's prompt
     assert engine.scheduler.num_fair_deferrals == 0
+    assert_pool_clean(engine)
+
+
+def test_with_a_step_target_a_busy_tenant_still_waits_for_its_own_blocks():
+    engine = tiny_engine(num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512)
+    assert engine.scheduler.step_target is not None  # the default: steps sized in time
+    system = unique(32, 0)
+    engine.add_request("a1", system + [5], GREEDY, owner="A")
+    run_to_completion(engine)
+    engine.add_request("b1", unique(40, 1), GREEDY, owner="B")
+    engine.add_request("b2", unique(40, 2), GREEDY, owner="B")  # would need A's blocks
+    engine.step()
+    assert {branch.request.request_id for branch in engine.scheduler.running} == {"b1"}
+    assert engine.scheduler.last_waits["fairness"] == 1
+    engine.add_request("a2", system + [6], GREEDY, owner="A")
+    finals = run_to_completion(engine)
+    assert finals["a2"].num_cached_tokens == 32  # B's wait kept A's prompt cached
+    assert engine.scheduler.num_fair_deferrals >= 1
     assert_pool_clean(engine)

@@ -298,3 +298,19 @@ def test_stored_responses_are_read_and_deleted_on_the_replica_that_stored_them(
             assert deleted.headers[REPLICA_HEADER] == home
             with pytest.raises(openai.NotFoundError):
                 client.responses.retrieve(response.id)
+
+
+def test_the_router_forwards_priority_on_every_route(cluster: Cluster) -> None:
+    bodies = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+        "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+    }
+    with running_router(cluster.config()) as (url, _):
+        for path, body in bodies.items():
+            body = {"model": "tiny", **body}
+            ok = httpx.post(url + path, json={**body, "priority": -3}, headers=AUTH)
+            assert ok.status_code == 200, path
+            refused = httpx.post(url + path, json={**body, "priority": 5000}, headers=AUTH)
+            assert refused.status_code == 400 and "priority" in refused.text, path  # replica's

@@ -46,6 +46,7 @@ class AddRequest:
     previous_cache_salt: str | None = None
     retention: tuple[Keep, ...] = ()  # prompt prefixes to keep cached (cache controls)
     cache_key: str | None = None  # an opaque per-tenant id, for traces and logs only
+    priority: int = 0  # lower is scheduled first
 
 
 @dataclass(slots=True)
@@ -307,6 +308,7 @@ class AsyncLLMEngine:
                 previous_cache_salt=command.previous_cache_salt,
                 retention=command.retention,
                 cache_key=command.cache_key,
+                priority=command.priority,
             )
             return None
         if isinstance(command, AbortRequest):

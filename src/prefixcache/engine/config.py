@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# A step's time target while others wait or stream (docs/engine.md): ~200 prefill tokens
+# beside a few decodes on 2 cores, so a cached request's uncached tail fits in one step.
+DEFAULT_STEP_TARGET_MS = 250.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
 DEFAULT_KV_CACHE_DTYPE = "float32"
 

@@ -24,6 +24,7 @@ from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_STEP_TARGET_MS,
 )
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
@@ -73,6 +74,7 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
+    step_target_ms: float | None = DEFAULT_STEP_TARGET_MS  # None: steps sized in tokens only
     enable_prefix_caching: bool = True
     cache_aware_scheduling: bool = False
     eviction_policy: str = DEFAULT_POLICY
@@ -142,6 +144,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             cache_aware=config.cache_aware_scheduling,
             loader=self.tier,
+            step_target=None if config.step_target_ms is None else config.step_target_ms / 1e3,
         )
         self.requests: dict[str, Request] = {}
         self.num_constrained = 0  # requests with a grammar: none, and sampling masks nothing
@@ -247,6 +250,7 @@ class LLMEngine:
         previous_cache_salt: str | None = None,
         retention: tuple[Keep, ...] = (),
         cache_key: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Queue a request; ValueError (naming the limit) if it can never be served.
 
@@ -257,7 +261,8 @@ class LLMEngine:
         rotation) is its salt under the previous secret, whose tier values it may still read.
         ``retention`` lists prompt prefixes to keep cached once computed (see ``Keep``); each
         is held against ``owner``'s retention budget. ``cache_key`` (an opaque per-tenant id)
-        is for traces and logs only: it changes nothing the engine does.
+        is for traces and logs only: it changes nothing the engine does. ``priority``: a
+        lower number is scheduled first and may pause a running prefill of a higher one.
         A request that asks for prompt logprobs
         computes its whole prompt (a cached prefix has no logits): its own hit is skipped and
         the tier is not used, while the blocks it computes are shared as usual.
@@ -270,6 +275,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             min_hit_tokens = max(min_hit_tokens, len(prompt_token_ids))
             use_tier = False
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         if not isinstance(min_hit_tokens, int) or min_hit_tokens < 0:
             raise ValueError(f"min_hit_tokens must be an int >= 0, got {min_hit_tokens!r}")
         new_grammar = self._grammar_factory(params)
@@ -291,6 +298,7 @@ class LLMEngine:
             retention=check_keeps(retention, len(prompt_token_ids)),
             cache_key=cache_key,
             new_grammar=new_grammar,
+            priority=priority,
         )
         if self.tier is not None:
             self.tier.prefetch(request)
@@ -391,7 +399,9 @@ class LLMEngine:
         except Exception:
             self._drop_failed_step()
             raise
-        self._track_speed(batch.num_tokens, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._track_speed(batch.num_tokens, elapsed)
+        self.scheduler.observe_step(elapsed)  # the step cost model learns the forward's time
         if self.tier is not None:  # their KV is computed now: copy it out for the tier
             self.tier.write_computed(chunks)
         return logits

@@ -39,6 +39,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prefill_tokens: int = 0  # prompt tokens the model computed (not reused)
     lookup_seconds: float = 0.0  # time spent in the cache's admission lookups
+    queue_seconds: dict[str, float] = field(default_factory=dict)  # waits by reason (timed)
 
     @property
     def ttft(self) -> float | None:
@@ -106,6 +107,7 @@ class Request:
         retention: tuple[Keep, ...] = (),
         cache_key: str | None = None,
         new_grammar: Callable[[], GrammarState] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -113,6 +115,7 @@ class Request:
         self.cache_salt = cache_salt
         self.previous_cache_salt = previous_cache_salt  # a secret rotation: tier reads only
         self.retention = retention  # prompt prefixes to keep cached once computed
+        self.priority = priority  # lower runs first (vLLM's meaning)
         self.cache_key = cache_key  # a client's opaque per-tenant id: for traces and logs only
         self.retained_blocks = [0] * len(retention)  # per retention ask: prompt blocks retained
         self.min_hit_tokens = min_hit_tokens  # a shorter cache hit is recomputed
@@ -209,6 +212,8 @@ class Branch:
         self.arrival = 0  # FCFS position, set by the scheduler
         self.passed_over = 0  # times a later arrival was admitted first
         self.num_preemptions = 0
+        self.num_pauses = 0  # times a higher-priority arrival paused its prefill
+        self.skipped_steps = 0  # steps in a row its running prefill got no chunk
 
     @property
     def id(self) -> str:

@@ -11,6 +11,17 @@ with one system prompt, sent at once, prefill it once.
 In a tenant-fair pool a branch whose admission would evict another tenant's cached blocks
 while that tenant is within its share of the pool waits, as long as its own tenant has
 branches running (so every tenant progresses); other tenants' branches go ahead of it.
+
+With a step target (seconds), a step is sized in time by an online cost model
+(``step_cost.py``): running decodes first, then prefills, running or waiting, in the
+order: aged ones first by arrival, then lower ``priority`` number, least uncached work,
+arrival. Each gets the tokens that fit in what is left of the target. The target binds
+only when more than one branch is in the scheduler; the first prefill of a step, and any
+aged one, gets at least ``MIN_PREFILL_CHUNK`` tokens. A branch passed over
+``max_passed_over`` times (by later arrivals while waiting, or by steps without a chunk
+while running) ages and goes ahead of everything: no request starves. A waiting branch
+that finds no seat or no room may pause a running prefill of a larger priority number at
+its chunk boundary: the paused branch's committed blocks stay cached.
 """
 
 from __future__ import annotations
@@ -18,11 +29,15 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.engine.request import Branch
+from prefixcache.engine.step_cost import StepCost, StepShape, StepTimes, chunk_attention
+
+WAIT_REASONS = ("step_time", "priority", "seats", "memory", "tier_load", "fairness")
+MIN_PREFILL_CHUNK = 32  # tokens the first prefill of a step gets, whatever the target
 
 
 class BlockLoader(Protocol):
@@ -58,6 +73,16 @@ class ScheduledChunk:
         return self.start + self.num_tokens == self.branch.seq.num_tokens
 
 
+@dataclass(slots=True)
+class _Admission:
+    """One timed step's admissions so far: owners running, owners deferred, admitted."""
+
+    busy: set[str | None]
+    deferred: set[str | None] = field(default_factory=set)
+    admitted: list[Branch] = field(default_factory=list)
+    blocked: str = ""  # why the first waiting branch that found no seat or room waits
+
+
 class Scheduler:
     """Decides which branches run in the next step, and how many tokens each."""
 
@@ -69,6 +94,8 @@ class Scheduler:
         cache_aware: bool = False,
         max_passed_over: int = 8,
         loader: BlockLoader | None = None,
+        step_target: float | None = None,
+        step_cost: StepCost | None = None,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -81,6 +108,15 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_fair_deferrals = 0  # admissions put off so as not to crowd out another owner
+        self.step_target = step_target  # seconds a step should take; None: tokens only
+        self.step_cost = step_cost or StepCost()
+        self.last_shape = StepShape()  # of the latest schedule(), for observe_step
+        self.step_times = StepTimes()  # measured forwards, for the metrics
+        self.num_pauses = 0  # running prefills paused for a higher-priority arrival
+        self.last_waits: dict[str, int] = {}  # latest timed step: branches left waiting, why
+        self.queue_seconds: dict[str, float] = dict.fromkeys(WAIT_REASONS, 0.0)
+        self._left_waiting: list[tuple[Branch, str]] = []  # latest timed step's, and why
+        self._paused: set[Branch] = set()  # paused in the step being built
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -90,6 +126,25 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next step's batch; commits its tokens to the cache before it runs."""
+        if self.step_target is None:
+            chunks = self._schedule_tokens()
+        else:
+            chunks = self._schedule_timed(self.step_target)
+        self.last_shape = step_shape(chunks)
+        return chunks
+
+    def observe_step(self, seconds: float) -> None:
+        """The latest scheduled step took ``seconds``: refit the cost model, count it."""
+        self.step_cost.observe(self.last_shape, seconds)
+        self.step_times.observe(seconds)
+        for reason, count in self.last_waits.items():  # each waiting branch waited it out
+            self.queue_seconds[reason] += count * seconds
+        for branch, reason in self._left_waiting:
+            waits = branch.request.metrics.queue_seconds
+            waits[reason] = waits.get(reason, 0.0) + seconds
+
+    def _schedule_tokens(self) -> list[ScheduledChunk]:
+        """Running branches first, then admissions, under the token budget only."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for branch in self.running:
@@ -118,6 +173,145 @@ class Scheduler:
             budget -= chunk.num_tokens
         self._count_passed_over(admitted)
         return chunks
+
+    def _schedule_timed(self, target: float) -> list[ScheduledChunk]:
+        """Decodes first, then prefills in priority order, each sized to the time left."""
+        budget = self.max_num_batched_tokens
+        decodes = [b for b in self.running if is_decode(b)][:budget]
+        chunks = [self._next_chunk(b, 1) for b in decodes]
+        budget -= len(chunks)
+        shape = step_shape(chunks)  # what the step costs so far
+        binding = len(self.running) + len(self.waiting) > 1
+        admission = _Admission(self._busy_owners())
+        prefilled: set[Branch] = set()
+        waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
+        self._paused.clear()
+        for branch, uncached in self._prefill_order():
+            if budget == 0:
+                break
+            start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
+            room = budget
+            if binding:
+                limit = min(uncached, budget)
+                room = self.step_cost.tokens_fitting(shape, start, limit, target)
+            if not prefilled or self._aged(branch):  # progress, whatever the target
+                room = max(room, min(MIN_PREFILL_CHUNK, budget))
+            if room == 0:
+                break
+            why = None
+            if branch in self._paused:  # paused in this step: not back before the next
+                why = "priority"
+            elif branch.seq is None:
+                why = self._admit_or_why_not(branch, admission, prefilled)
+            if why is not None:
+                waits[branch] = why
+                continue
+            chunk = self._next_chunk(branch, room)
+            chunks.append(chunk)
+            shape = shape.with_prefill(chunk.start, chunk.num_tokens)
+            prefilled.add(branch)
+            budget -= chunk.num_tokens
+        self._count_passed_over(admission.admitted)
+        self._count_skipped(prefilled)
+        self._count_waits(waits, prefilled)
+        return chunks
+
+    def _admit_or_why_not(
+        self, branch: Branch, admission: _Admission, prefilled: set[Branch]
+    ) -> str | None:
+        """Admit a waiting branch (None), or say why it waits (a ``WAIT_REASONS`` name)."""
+        owner = branch.request.owner
+        if admission.blocked:  # one found no seat or room: none behind it may pass
+            return admission.blocked
+        if self.loader is not None and not self.loader.ready(branch):
+            return "tier_load"  # its prompt's blocks are on their way from the tier
+        if owner in admission.deferred or (owner in admission.busy and self._crowds_out(branch)):
+            admission.deferred.add(owner)  # it waits for its own blocks; others may go first
+            return "fairness"
+        if not self._seat(branch, prefilled):  # even by pausing; running ones go on
+            admission.blocked = "seats" if len(self.running) >= self.max_num_seqs else "memory"
+            return admission.blocked
+        admission.admitted.append(branch)
+        admission.busy.add(owner)
+        branch.passed_over = 0  # it had its turn: running, only skipped steps age it
+        return None
+
+    def _count_waits(self, waits: dict[Branch, str], prefilled: set[Branch]) -> None:
+        """Why each branch still waiting waits: its own reason, else more urgent work in the
+        step (``priority``), else the step's time."""
+        urgent = min((b.request.priority for b in prefilled), default=0)
+
+        def reason(branch: Branch) -> str:
+            if branch in waits:
+                return waits[branch]
+            return "priority" if branch.request.priority > urgent else "step_time"
+
+        self._left_waiting = [(b, reason(b)) for b in self.waiting]
+        counts = dict.fromkeys(WAIT_REASONS, 0)
+        for _, reason in self._left_waiting:
+            counts[reason] += 1
+        self.last_waits = counts
+
+    def _prefill_order(self) -> list[tuple[Branch, int]]:
+        """Running prefills and waiting branches with their uncached tokens, in the order:
+        aged ones by arrival, then by (priority, uncached tokens, arrival)."""
+        found = [(b, remaining(b)) for b in self.running if not is_decode(b)]
+        found += [(b, len(b.token_ids) - self._cached_tokens(b)) for b in self.waiting]
+
+        def key(item: tuple[Branch, int]) -> tuple[int, ...]:
+            branch, uncached = item
+            if self._aged(branch):  # the aged go first, first come first served
+                return (0, branch.arrival)
+            return (1, branch.request.priority, uncached, branch.arrival)
+
+        return sorted(found, key=key)
+
+    def _aged(self, branch: Branch) -> bool:
+        """Passed over (or left out while running) often enough to go ahead of everything."""
+        return max(branch.passed_over, branch.skipped_steps) >= self.max_passed_over
+
+    def _seat(self, branch: Branch, prefilled: set[Branch]) -> bool:
+        """Admit ``branch``, pausing running prefills of a larger priority number if it
+        finds no seat or no room; False if it still cannot run."""
+        while True:
+            if len(self.running) < self.max_num_seqs and self._admit(branch):
+                return True
+            victim = self._pausable(branch.request.priority, prefilled)
+            if victim is None:
+                return False
+            self._pause(victim)
+
+    def _pausable(self, priority: int, prefilled: set[Branch]) -> Branch | None:
+        """The running prefill with the largest priority number above ``priority`` (not one
+        already in this step, nor an aged one: a pause must not starve it)."""
+        prefills = [
+            b
+            for b in self.running
+            if not is_decode(b)
+            and b.request.priority > priority
+            and b not in prefilled
+            and not self._aged(b)
+        ]
+        if not prefills:
+            return None
+        return max(prefills, key=lambda b: (b.request.priority, b.arrival))
+
+    def _pause(self, branch: Branch) -> None:
+        """Stop a running prefill at its chunk boundary; its committed blocks stay cached."""
+        self.running.remove(branch)
+        self._release(branch)
+        branch.num_pauses += 1
+        self.num_pauses += 1
+        self._paused.add(branch)
+        self.waiting.appendleft(branch)
+
+    def _count_skipped(self, prefilled: set[Branch]) -> None:
+        """Running prefills left out of a step that had prefill work age; others reset."""
+        for branch in self.running:
+            if branch in prefilled:
+                branch.skipped_steps = 0
+            elif prefilled and not is_decode(branch):
+                branch.skipped_steps += 1
 
     def _next_chunk(self, branch: Branch, budget: int) -> ScheduledChunk:
         """The branch's uncomputed tokens, up to ``budget``, committed right away."""
@@ -243,3 +437,34 @@ class Scheduler:
         if branch.seq is not None:
             self.manager.free(branch.seq)
             branch.seq = None
+
+
+def is_decode(branch: Branch) -> bool:
+    """A running branch whose prompt is computed: one new token a step."""
+    seq = branch.seq
+    assert seq is not None
+    return seq.num_computed_tokens >= seq.num_tokens - 1 and bool(branch.output.token_ids)
+
+
+def computed(branch: Branch) -> int:
+    """A running branch's tokens already computed (or scheduled)."""
+    assert branch.seq is not None
+    return branch.seq.num_computed_tokens
+
+
+def remaining(branch: Branch) -> int:
+    """A running branch's tokens still to compute."""
+    assert branch.seq is not None
+    return branch.seq.num_tokens - branch.seq.num_computed_tokens
+
+
+def step_shape(chunks: list[ScheduledChunk]) -> StepShape:
+    """Prefill tokens, token·context work and decode rows of a step's chunks."""
+    prefill, attention, decodes = 0, 0.0, 0
+    for chunk in chunks:
+        attention += chunk_attention(chunk.start, chunk.num_tokens)
+        if chunk.num_tokens == 1 and chunk.branch.output.token_ids:
+            decodes += 1
+        else:
+            prefill += chunk.num_tokens
+    return StepShape(prefill, attention, decodes)

@@ -68,6 +68,11 @@ class EngineSnapshot:
     num_waiting: int
     num_preemptions: int
     num_fair_deferrals: int
+    num_pauses: int  # running prefills paused for a more urgent arrival
+    step_target: float | None  # seconds (None: steps sized in tokens only)
+    step_seconds: tuple[tuple[str, int], ...]  # measured steps: cumulative (le, count)
+    step_seconds_sum: float
+    queue_seconds: tuple[tuple[str, float], ...]  # (reason, step seconds x branches waiting)
     seconds_per_token: float | None
     owners: tuple[OwnerUsage, ...]  # () unless fair with an owner
     retained: tuple[tuple[str | None, str, int], ...]  # (owner, class, blocks retained now)
@@ -98,6 +103,11 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_waiting=len(scheduler.waiting),
         num_preemptions=scheduler.num_preemptions,
         num_fair_deferrals=scheduler.num_fair_deferrals,
+        num_pauses=scheduler.num_pauses,
+        step_target=scheduler.step_target,
+        step_seconds=scheduler.step_times.cumulative(),
+        step_seconds_sum=scheduler.step_times.total,
+        queue_seconds=tuple(scheduler.queue_seconds.items()),
         seconds_per_token=engine.seconds_per_token,
         owners=tuple(manager.owner_usage()),
         retained=retained_by_owner(manager.retention_usage()),

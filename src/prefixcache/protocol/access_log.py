@@ -11,10 +11,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Iterable, Mapping
 
 HEALTH_CHECK_PATHS = frozenset({"/health", "/metrics"})
 ACCESS_LOGGER = "uvicorn.access"  # uvicorn logs (client, method, path?query, version, status)
 STORED_PREFIX = "/v1/responses/"  # then a response id, then maybe "/input_items"
+
+
+def waited_field(queue_seconds: Iterable[Mapping[str, float]]) -> str:
+    """`` waited=step_time:0.42s,seats:0.10s``: why a request's prompts waited to be
+    admitted, summed over them (empty if they never waited)."""
+    total: dict[str, float] = {}
+    for waits in queue_seconds:
+        for reason, seconds in waits.items():
+            total[reason] = total.get(reason, 0.0) + seconds
+    parts = [f"{reason}:{seconds:.2f}s" for reason, seconds in sorted(total.items()) if seconds]
+    return f" waited={','.join(parts)}" if parts else ""
 
 
 class HealthCheckFilter(logging.Filter):

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prefixcache.protocol.cache_controls import ANTHROPIC_TTLS, MAX_ANTHROPIC_BREAKPOINTS
 from prefixcache.protocol.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS
+from prefixcache.protocol.priority import PriorityField
 from prefixcache.protocol.sampling_limits import MAX_STOP_STRINGS, MIN_TOP_P
 from prefixcache.protocol.schemas import NullMeansDefault, Temperature
 from prefixcache.protocol.tool_schemas import (
@@ -110,7 +111,7 @@ class AnthropicTool(BaseModel):
         )
 
 
-class MessagesRequest(NullMeansDefault):
+class MessagesRequest(NullMeansDefault, PriorityField):
     """``POST /v1/messages``: unknown fields are ignored."""
 
     model_config = ConfigDict(extra="allow")

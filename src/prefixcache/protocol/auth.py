@@ -18,16 +18,17 @@ from pathlib import Path
 
 from prefixcache.cache.owners import check_shares
 from prefixcache.cache.retention import check_share
+from prefixcache.protocol.priority import MIN_PRIORITY, check_priority, request_priority
 from prefixcache.protocol.tenant_secret import SECRET_BYTES
 
 LOCAL_TENANT = "local"
 KEY_FILE_FORMAT = (
     '{"tenants": [{"name", "keys": [...], "admin", "no_reuse", "min_hit_tokens", "zero_on_evict",'
-    ' "tier", "cache_share", "retention_budget"}]}'
+    ' "tier", "cache_share", "retention_budget", "priority", "min_priority"}]}'
 )
 TENANT_FIELDS = (
     "name", "keys", "admin", "no_reuse", "min_hit_tokens", "zero_on_evict", "tier", "cache_share",
-    "retention_budget",
+    "retention_budget", "priority", "min_priority",
 )  # fmt: skip
 MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 RENAMED_FIELDS = {"min_shared_tokens": "min_hit_tokens", "sensitive": "zero_on_evict"}
@@ -49,6 +50,12 @@ class Tenant:
     tier: bool = True  # its blocks may be written to (and read from) the second KV tier
     cache_share: float | None = None  # its share of the cached pool (--fair-cache); None: equal
     retention_budget: float | None = None  # share of the pool it may retain; None: the default
+    priority: int = 0  # its requests' priority when they name none (lower runs first)
+    min_priority: int = MIN_PRIORITY  # the most urgent priority its requests may ask for
+
+    def priority_of(self, asked: int | None) -> int:
+        """The priority a request of this tenant runs at; ValueError if above its cap."""
+        return request_priority(asked, self.priority, self.min_priority)
 
     @property
     def uses_tier(self) -> bool:
@@ -159,7 +166,19 @@ def _tenant(entry: dict) -> Tenant:
         tier=bool(entry.get("tier", True)),
         cache_share=_share(entry),
         retention_budget=_retention_budget(entry),
+        **_priorities(entry),
     )
+
+
+def _priorities(entry: dict) -> dict[str, int]:
+    """``priority`` (default 0) and ``min_priority``: integers in the limits, the default not
+    below the cap; ValueError naming the tenant."""
+    name = repr(str(entry["name"]))
+    default = check_priority(entry.get("priority", 0), f"tenant {name}'s priority")
+    floor = check_priority(entry.get("min_priority", MIN_PRIORITY), f"tenant {name}'s min_priority")
+    if default < floor:
+        raise ValueError(f"tenant {name}'s priority {default} is below its min_priority {floor}")
+    return {"priority": default, "min_priority": floor}
 
 
 def _share(entry: dict) -> float | None:

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, field_validator
 
 from prefixcache.protocol.limits import MAX_MESSAGES, MAX_NAME_CHARS
+from prefixcache.protocol.priority import PriorityField
 from prefixcache.protocol.sampling_limits import MAX_TEMPERATURE, MIN_TOP_P
 from prefixcache.protocol.schemas import (
     NullMeansDefault,
@@ -30,7 +31,7 @@ INPUT_SCHEMA = {
 UNSUPPORTED = ("reasoning", "background", "conversation", "prompt", "include")
 
 
-class ResponsesRequest(NullMeansDefault, PromptCacheFields):
+class ResponsesRequest(NullMeansDefault, PromptCacheFields, PriorityField):
     """What a client may ask of /v1/responses; other OpenAI fields are refused or ignored."""
 
     model_config = ConfigDict(extra="allow")

@@ -25,6 +25,7 @@ from prefixcache.protocol.cache_controls import (
     openai_retention_class,
 )
 from prefixcache.protocol.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_PROMPTS
+from prefixcache.protocol.priority import PriorityField
 from prefixcache.protocol.sampling_limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -166,7 +167,7 @@ class PromptCacheFields(BaseModel):
         return None if value is None else openai_retention_class(value)
 
 
-class SamplingFields(NullMeansDefault, PromptCacheFields):
+class SamplingFields(NullMeansDefault, PromptCacheFields, PriorityField):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="allow")

@@ -27,6 +27,7 @@ from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol import openapi
+from prefixcache.protocol.access_log import waited_field
 from prefixcache.protocol.admission import InFlight, Ticket
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenant, Tenants
@@ -303,13 +304,14 @@ async def _serve(
     else:
         ready = await server.pool.prepare(prepare, raw, server.prepare)
     prompts, body, shape = ready.prompts, ready.body, ready.shape
+    priority = _priority(tenant, body)  # refused before it takes a place in flight
     server.in_flight.admit(ticket, len(prompts), server.async_engine.num_pending)
     salt = server.tenants.cache_salt(tenant, body.cache_salt)
     previous = server.tenants.previous_cache_salt(tenant, body.cache_salt)
-    controls = _Controls()  # a body without OpenAI's fields (Messages) has extras, unchecked
+    controls = _Controls(priority=priority)  # Messages has no OpenAI cache fields
     if isinstance(body, PromptCacheFields):
         key_id = server.tenants.cache_key_id(tenant, body.prompt_cache_key)
-        controls = _Controls(body.prompt_cache_retention, key_id)
+        controls = _Controls(body.prompt_cache_retention, key_id, priority)
     fan_in = await _open(server, tenant, ready, (salt, previous), controls)
     done = _Done(server, tenant, salt, shape.request_id, shape.endpoint, controls.cache_key)
     if body.stream:
@@ -404,15 +406,25 @@ def _add_request(
         previous_cache_salt=salts[1],
         retention=retention or openai_keeps(controls.retention_class, len(prompt)),
         cache_key=controls.cache_key,
+        priority=controls.priority,
     )
+
+
+def _priority(tenant: Tenant, body: object) -> int:
+    """The body's ``priority`` (else the tenant's default); 400 above the tenant's cap."""
+    try:
+        return tenant.priority_of(getattr(body, "priority", None))
+    except ValueError as error:
+        raise ApiError(400, str(error), "priority") from None
 
 
 @dataclass(frozen=True, slots=True)
 class _Controls:
-    """A request's prompt-caching controls: a retention class, its cache key's opaque id."""
+    """A request's controls: a retention class, its cache key's opaque id, its priority."""
 
     retention_class: str | None = None  # None: automatic caching only
     cache_key: str | None = None  # Tenants.cache_key_id: never the client's raw key
+    priority: int = 0  # lower is scheduled first
 
 
 @dataclass(slots=True)
@@ -438,7 +450,7 @@ class _Done:
         key = f" cache_key={self.cache_key[:CACHE_KEY_LOG_CHARS]}" if self.cache_key else ""
         log.info(
             "%s%s tenant=%s prompts=%d prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
-            "status=%s",
+            "status=%s%s",
             self.request_id,
             key,
             self.tenant.name,
@@ -447,6 +459,7 @@ class _Done:
             sum(p.num_cached_tokens for p in parts),
             sum(len(o.token_ids) for p in parts for o in p.outputs),
             status,
+            waited_field(p.metrics.queue_seconds for p in parts),
         )
 
     def once(self, fan_in: FanIn) -> None:

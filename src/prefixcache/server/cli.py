@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefixcache.argtypes import positive_int, unit_share
+from prefixcache.argtypes import non_negative_int, positive_int, unit_share
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import DEFAULT_INDEX, INDEX_NAMES
 from prefixcache.cache.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -19,6 +19,7 @@ from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_STEP_TARGET_MS,
     KV_CACHE_DTYPES,
 )
 from prefixcache.model_names import MODEL_HELP
@@ -74,6 +75,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
     serve.add_argument(
         "--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
+    serve.add_argument(
+        "--step-target-ms",
+        type=non_negative_int,
+        default=int(DEFAULT_STEP_TARGET_MS),
+        help="a step's time target while others wait or stream; 0: token budget only "
+        f"(default {DEFAULT_STEP_TARGET_MS:g})",
     )
     _add_limit_options(serve)
     serve.add_argument("--api-key-file", help="JSON file of tenants and their API keys")
@@ -235,6 +243,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 kv_cache_dtype=args.kv_cache_dtype,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                step_target_ms=args.step_target_ms or None,
                 enable_prefix_caching=not args.no_prefix_caching,
                 cache_aware_scheduling=args.cache_aware_scheduling,
                 eviction_policy=args.eviction_policy,

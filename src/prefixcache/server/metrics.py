@@ -7,7 +7,12 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from prefixcache.cache.owners import OwnerUsage
 from prefixcache.engine.request import RequestOutput
@@ -101,12 +106,42 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     hits.add_metric(["tier"], snapshot.tier_hits)
     yield hits
     yield from owner_metrics(snapshot.owners)
+    yield from step_metrics(snapshot)
     yield from retention_metrics(snapshot)
     if snapshot.tier is not None:
         yield from tier_metrics(snapshot.tier)
 
 
 DEFAULT_OWNER_LABEL = "default"  # requests that named no tenant (library use)
+
+
+def step_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
+    """Measured step times against the target, and prefills paused, by cause."""
+    yield HistogramMetricFamily(
+        "prefixcache_step_seconds",
+        "Seconds of each engine step's forward",
+        buckets=list(snapshot.step_seconds),
+        sum_value=snapshot.step_seconds_sum,
+    )
+    if snapshot.step_target is not None:
+        yield GaugeMetricFamily(
+            "prefixcache_step_target_seconds",
+            "The step time target while others wait or stream (--step-target-ms)",
+            value=snapshot.step_target,
+        )
+    pauses = CounterMetricFamily(
+        "prefixcache_prefill_pauses", "Running prefills paused, by cause", labels=["cause"]
+    )
+    pauses.add_metric(["priority"], snapshot.num_pauses)
+    yield pauses
+    queued = CounterMetricFamily(
+        "prefixcache_queue_seconds",
+        "Seconds branches waited for admission (steps x branches waiting), by reason",
+        labels=["reason"],
+    )
+    for reason, seconds in snapshot.queue_seconds:
+        queued.add_metric([reason], seconds)
+    yield queued
 
 
 def owner_metrics(
