@@ -173,6 +173,7 @@ def make_engine(loaded, args: argparse.Namespace) -> LLMEngine:
         num_kv_blocks=args.pool_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         retention_budgets={"agents": args.agent_budget},
+        step_target_ms=args.step_target_ms or None,
     )
     return LLMEngine(loaded, config)
 
@@ -200,6 +201,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--agent-budget", type=float, default=0.8, help="agents' retention share")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--step-target-ms", type=float, default=EngineConfig.step_target_ms,
+        help="the scheduler's step target (0: the token budget alone, as before issue 36)",
+    )  # fmt: skip
     args = parser.parse_args()
     loaded = load_model()
     interval = prefill_seconds(loaded, args) / args.load
@@ -219,7 +224,9 @@ def main() -> None:
         f"{SYSTEM_TOKENS} + task {TASK_TOKENS} tokens, +{OUTPUT_TOKENS} out +{TOOL_TOKENS} tool "
         f"result per turn, pauses {PAUSE_S[0]:g}-{PAUSE_S[1]:g} s); flood: unique "
         f"{FLOOD_TOKENS}-token prompts every {interval:.2f}s on average (load {args.load:g}); "
-        f"agents' retention budget {args.agent_budget:g} of the pool"
+        f"agents' retention budget {args.agent_budget:g} of the pool; at most "
+        f"{args.max_num_batched_tokens} tokens a step, step target "
+        f"{args.step_target_ms or 'none'} ms"
     )
     for name, result in results.items():
         print(line(name, result))

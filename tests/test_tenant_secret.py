@@ -156,7 +156,7 @@ def test_a_tier_spec_can_come_from_the_environment(monkeypatch) -> None:
     args = argparse.Namespace(
         tenant_secret_file=None, kv_tier="redis://:pw@127.0.0.1:1/0", replicas=2, threads=1,
         model=None, api_key_file=None, kv_cache_bytes=None, host="127.0.0.1", port=0,
-        policy="cache-aware", retention_budget=None,
+        policy="cache-aware", retention_budget=None, kv_cache_dtype=None,
     )  # fmt: skip
     plan = plan_cluster(args, Path("/nonexistent"))
     for replica in plan.replicas:  # the password is in the child's environment, not its argv
