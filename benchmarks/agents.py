@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixcache.cache.retention import Keep
+from prefixcache.engine.config import DEFAULT_STEP_TARGET_MS
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.weights import load_model
@@ -202,7 +203,7 @@ def main() -> None:
     parser.add_argument("--agent-budget", type=float, default=0.8, help="agents' retention share")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--step-target-ms", type=float, default=EngineConfig.step_target_ms,
+        "--step-target-ms", type=float, default=DEFAULT_STEP_TARGET_MS,
         help="the scheduler's step target (0: the token budget alone, as before issue 36)",
     )  # fmt: skip
     args = parser.parse_args()
