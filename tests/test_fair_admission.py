@@ -90,8 +90,9 @@ def test_without_fair_cache_nobody_is_deferred():
 
 
 def test_with_a_step_target_a_busy_tenant_still_waits_for_its_own_blocks():
-    engine = tiny_engine(num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512)
-    assert engine.scheduler.step_target is not None  # the default: steps sized in time
+    engine = tiny_engine(
+        num_kv_blocks=24, owner_shares={}, max_num_batched_tokens=512, step_target_ms=250
+    )
     system = unique(32, 0)
     engine.add_request("a1", system + [5], GREEDY, owner="A")
     run_to_completion(engine)

@@ -10,6 +10,7 @@ import pytest
 
 from engine_fixtures import default_engine, run_to_completion, tiny_engine
 from prefixcache import KVCacheManager
+from prefixcache.engine.config import DEFAULT_STEP_TARGET_MS
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.protocol.auth import Tenants
@@ -51,8 +52,9 @@ def test_a_paused_request_completes_with_the_same_greedy_tokens():
     expected = run_to_completion(engine)["alone"].token_ids
     engine.manager.reset()
     scheduler = engine.scheduler
-    knobs = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    knobs = scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.step_target
     scheduler.max_num_seqs, scheduler.max_num_batched_tokens = 1, 64  # chunks of 4 blocks
+    scheduler.step_target = DEFAULT_STEP_TARGET_MS / 1e3  # pauses are the timed path's
     try:
         paused = engine.add_request("paused", prompt, greedy)
         engine.step()
@@ -61,7 +63,7 @@ def test_a_paused_request_completes_with_the_same_greedy_tokens():
         assert paused.branches[0].num_pauses == 1 and paused.branches[0].seq is None
         finals = run_to_completion(engine)
     finally:
-        scheduler.max_num_seqs, scheduler.max_num_batched_tokens = knobs
+        scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.step_target = knobs
     assert finals["paused"].token_ids == expected
     assert paused.metrics.num_prefill_tokens == len(prompt)  # the pause lost no work
     assert finals["urgent"].metrics.first_token_time < finals["paused"].metrics.first_token_time
@@ -76,7 +78,7 @@ def served(tmp_path_factory):
         {"name": "batch", "keys": ["sk-batch"], "priority": 5, "min_priority": 0},
     ]
     path.write_text(json.dumps({"tenants": tenants}))
-    engine = tiny_engine(num_kv_blocks=200)
+    engine = tiny_engine(num_kv_blocks=200, step_target_ms=DEFAULT_STEP_TARGET_MS)
     seen = []
     engine.on_retired.append(lambda request: seen.append(request.priority))
     with running_server(engine, Tenants.from_file(path)) as (url, _):

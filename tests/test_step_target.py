@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache import KVCacheManager
 from prefixcache.cli import build_parser
+from prefixcache.engine.config import DEFAULT_STEP_TARGET_MS
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, step_shape
 from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
@@ -184,7 +185,7 @@ def test_queue_time_is_counted_by_reason():
 
 
 def test_serve_takes_a_step_target_and_zero_turns_it_off(capsys):
-    assert build_parser().parse_args(["serve"]).step_target_ms == 250
+    assert build_parser().parse_args(["serve"]).step_target_ms == 0  # off unless asked for
     assert build_parser().parse_args(["serve", "--step-target-ms", "0"]).step_target_ms == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--step-target-ms", "-5"])
@@ -215,8 +216,8 @@ def test_an_aged_prompt_once_admitted_no_longer_goes_ahead_of_short_work():
 
 
 def test_the_engine_feeds_every_forward_to_the_cost_model():
-    engine = tiny_engine()
-    assert engine.scheduler.step_target == 0.25  # on by default
+    engine = tiny_engine(step_target_ms=DEFAULT_STEP_TARGET_MS)
+    assert engine.scheduler.step_target == 0.25
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", [100 + i] * (20 + 30 * i), greedy)

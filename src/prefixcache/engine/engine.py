@@ -24,7 +24,6 @@ from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_STEP_TARGET_MS,
 )
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
@@ -74,7 +73,7 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
-    step_target_ms: float | None = DEFAULT_STEP_TARGET_MS  # None: steps sized in tokens only
+    step_target_ms: float | None = None  # None: steps sized in tokens only; see config.py
     enable_prefix_caching: bool = True
     cache_aware_scheduling: bool = False
     eviction_policy: str = DEFAULT_POLICY
