@@ -33,6 +33,23 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+class StopRequest:
+    """A signal handler that records the signal as well as raising KeyboardInterrupt: one
+    raised inside a callback CPython runs for itself (an import lock's weakref callback, a
+    finalizer) is printed as "Exception ignored" and lost, so a loop checks ``requested``."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def handler(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+        raise KeyboardInterrupt
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signals)
+
+
 def forget_caught_interrupts() -> None:
     """Clear CPython's "unhandled KeyboardInterrupt" mark before exiting.
 

@@ -32,7 +32,13 @@ from prefixcache.argtypes import unit_share
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.tenant_secret import load_secrets
-from prefixcache.shutdown import CUT_SHORT, TEARDOWN_SECONDS, kill_all, with_parent_death
+from prefixcache.shutdown import (
+    CUT_SHORT,
+    TEARDOWN_SECONDS,
+    StopRequest,
+    kill_all,
+    with_parent_death,
+)
 
 EMBEDDED_REDIS = "redis://embedded"
 RESTART_BACKOFF_S = 2.0
@@ -251,12 +257,15 @@ def supervise(
     ``stop_after``): 0, or 130 if a second signal had them killed at once."""
     children = ([plan.redis] if plan.redis else []) + plan.replicas + [plan.router]
     # Ctrl-C even when started from a shell that ignores SIGINT in background jobs.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopRequest()
+    previous = {sig: signal.signal(sig, stop.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for child in children:
             child.start()
         started = time.monotonic()
-        while stop_after is None or time.monotonic() - started < stop_after:
+        while not stop.requested and (
+            stop_after is None or time.monotonic() - started < stop_after
+        ):
             for child in children:
                 _restart_if_dead(child)
             if readiness is not None:
@@ -269,10 +278,6 @@ def supervise(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return CUT_SHORT if cut_short else 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _stop_children(plan: ClusterPlan, timeout: float) -> bool:
