@@ -85,8 +85,7 @@ def build(source: Path) -> LoadedModel:
     """The slow path: read the model and build its int4 model in fp32."""
     loaded = load_model(source)
     model = build_model(loaded.config)
-    model.load_weights(loaded.state_dict)
-    loaded.int4_weights = model.quantize(loaded.quantized)
+    loaded.int4_weights = model.load_quantized(loaded.state_dict, loaded.quantized)
     loaded.model, loaded.state_dict, loaded.quantized = model, {}, {}
     return loaded
 
