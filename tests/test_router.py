@@ -292,9 +292,9 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
             cluster.config(health_interval_s=600)  # a watcher that only learns through events
         ) as (_, watcher),
     ):
-        for router in (state, watcher):
+        for index in (state.index, watcher.index):
             wait_until(
-                lambda r=router: r.index.overlap(victim.url, old).pool_blocks > 0, what="warm"
+                lambda i=index: i.overlap(victim.url, old).pool_blocks == len(old), what="warm"
             )
         load = Load(url)
         try:
@@ -334,7 +334,11 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
         fresh = chat("ibis", "After?")
         assert httpx.post(f"{victim.url}/v1/chat/completions", json=fresh, headers=AUTH).is_success
         new = cluster.digests(fresh)
-        wait_until(lambda: watcher.index.overlap(victim.url, new).pool_blocks > 0, what="new epoch")
+        # The whole new chain: its first block is the template's, shared with the stale "elk"
+        # entries, so "any overlap" would hold before the watcher saw the new epoch at all.
+        wait_until(
+            lambda: watcher.index.overlap(victim.url, new).pool_blocks == len(new), what="new epoch"
+        )
         stale = [d for d in old if d not in new]  # "elk" blocks; the template's first is shared
         assert stale and all(victim.url not in watcher.index.holders(d) for d in stale)
         again = httpx.post(
