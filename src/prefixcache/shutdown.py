@@ -22,17 +22,6 @@ CUT_SHORT = 130  # the exit status after a second Ctrl-C/SIGTERM (128 + SIGINT, 
 TEARDOWN_SECONDS = 10.0  # a server's last stage after its graceful part: then it exits anyway
 
 
-def sigterm_as_ctrl_c() -> None:
-    """From now on SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so
-    both end a command the same way: its cleanup runs and it exits 0 (not killed, -15)."""
-    if threading.current_thread() is threading.main_thread():  # signals are the main thread's
-        signal.signal(signal.SIGTERM, _interrupt)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 class StopRequest:
     """A signal handler that records the signal as well as raising KeyboardInterrupt: one
     raised inside a callback CPython runs for itself (an import lock's weakref callback, a
@@ -48,6 +37,27 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return bool(self.signals)
+
+
+_PROCESS_STOP = StopRequest()  # the command's own (installed by ``sigterm_as_ctrl_c``)
+
+
+def sigterm_as_ctrl_c() -> None:
+    """From now on SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so
+    both end a command the same way: its cleanup runs and it exits 0 (not killed, -15). Both
+    are recorded too, for ``raise_if_stop_requested`` (a Ctrl-C the shell ignores stays so)."""
+    if threading.current_thread() is not threading.main_thread():  # the main thread's alone
+        return
+    signal.signal(signal.SIGTERM, _PROCESS_STOP.handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _PROCESS_STOP.handler)
+
+
+def raise_if_stop_requested() -> None:
+    """``KeyboardInterrupt`` if a stop signal came: a long loop calls this now and then, so a
+    signal whose exception CPython dropped (see ``StopRequest``) still ends it."""
+    if _PROCESS_STOP.requested:
+        raise KeyboardInterrupt
 
 
 def forget_caught_interrupts() -> None:

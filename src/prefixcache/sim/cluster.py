@@ -25,6 +25,7 @@ from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.router.affinity import KeyAffinity
 from prefixcache.router.index import Overlap
 from prefixcache.router.policy import POLICY_NAMES, CacheAware, Candidate, make_policy
+from prefixcache.shutdown import raise_if_stop_requested
 from prefixcache.sim.replay import check_capacity, replay
 from prefixcache.sim.traces import MooncakeRequest, TokenRequest, Trace
 
@@ -135,6 +136,8 @@ def simulate_cluster(
     result = ClusterResult(policy, replicas, capacity, per_replica=[0] * replicas)
     ordered = sorted(enumerate(trace.requests), key=lambda item: item[1].timestamp)
     for number, request in ordered:
+        if number % 256 == 255:
+            raise_if_stop_requested()  # see replay(): a dropped Ctrl-C still ends the run
         _route_one(str(number), request, nodes, tier, router, result, service or ServiceModel())
     ideal = replay(trace, capacity * replicas, block_size=block_size)
     result.ideal_hit_rate = ideal.block_hit_rate

@@ -27,6 +27,7 @@ from prefixcache.cache import KVCacheManager
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.cache.sequence import Sequence
+from prefixcache.shutdown import raise_if_stop_requested
 from prefixcache.sim.traces import Mark, MooncakeRequest, TokenRequest, Trace
 
 Progress = Callable[[int], None]
@@ -138,8 +139,10 @@ def replay(
         cached = len(manager.pool.cached)
         if cached > result.peak_cached_blocks:
             result.peak_cached_blocks = cached
-        if progress is not None and number % 256 == 255:
-            progress(256)
+        if number % 256 == 255:
+            raise_if_stop_requested()  # a Ctrl-C CPython dropped ends the replay all the same
+            if progress is not None:
+                progress(256)
     result.wall_seconds = time.perf_counter() - start
     if progress is not None:
         progress(len(trace.requests) % 256)
