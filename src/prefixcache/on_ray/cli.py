@@ -145,7 +145,14 @@ def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
         if args.address:
             ray.init(address=args.address, log_to_driver=False)
         else:
-            ray.init(num_cpus=args.local_cpus, include_dashboard=False, log_to_driver=False)
+            # "local": a Ray of our own even when another runs on this machine (Ray would
+            # join that one, and refuse our num_cpus for it).
+            ray.init(
+                address="local",
+                num_cpus=args.local_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
         sigterm_as_ctrl_c()  # Ray's own handler exits (SystemExit) from wherever it lands
         proxy = "HeadOnly" if args.routing == "ray" else "Disabled"
         serve.start(proxy_location=proxy, http_options={"host": args.host, "port": args.port})
