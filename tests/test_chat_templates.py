@@ -5,6 +5,8 @@ start-up (exit code 2) and per request (a 400, and the server keeps serving)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 from engine_fixtures import default_tokenizer, random_state_dict, tiny_config
 from gemma_fixtures import gemma_tokenizer
+from prefixcache.cli import run_command
 from prefixcache.engine.chat_template import (
     MAX_RANGE,
     MAX_TEMPLATE_CHARS,
@@ -285,22 +288,34 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+def serve_exit_in_process(model: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``serve_exit`` through the same command-line code in this process (no interpreter to
+    start: the refusals below come before any server or signal handler)."""
+    argv = ["serve", "--model", str(model), "--port", "1", *extra]
+    with (
+        contextlib.redirect_stdout(io.StringIO()) as out,
+        contextlib.redirect_stderr(io.StringIO()) as err,
+    ):
+        code = run_command(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.parametrize(
-    ("template", "said"),
+    ("template", "said", "run"),
     [
-        (None, "cannot read it"),
-        ("{% for %}", "does not compile"),
-        (HOSTILE["nested loops"][0], "CPU time"),
-        (HOSTILE["escape"][0], "unsafe"),
+        (None, "cannot read it", serve_exit),  # one real process: its exit status and stderr
+        ("{% for %}", "does not compile", serve_exit_in_process),
+        (HOSTILE["nested loops"][0], "CPU time", serve_exit_in_process),
+        (HOSTILE["escape"][0], "unsafe", serve_exit_in_process),
     ],
 )
 def test_serve_refuses_a_bad_template_file_with_one_line_and_exit_2(
-    tiny_folder: Path, tmp_path: Path, template: str | None, said: str
+    tiny_folder: Path, tmp_path: Path, template: str | None, said: str, run
 ) -> None:
     path = tmp_path / "template.jinja"
     if template is not None:
         path.write_text(template)
-    result = serve_exit(tiny_folder, "--chat-template", str(path))
+    result = run(tiny_folder, "--chat-template", str(path))
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and said in lines[0], result.stderr

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped before it is up (loading a model, building kernels) exits 0 without a traceback."""
     sigterm_as_ctrl_c()
     try:
-        return _main(argv)
+        return run_command(argv)
     except KeyboardInterrupt:
         print("prefixcache: interrupted", file=sys.stderr, flush=True)
         return 0
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         forget_caught_interrupts()  # else `python -m prefixcache.cli` may end killed (-2)
 
 
-def _main(argv: list[str] | None) -> int:
+def run_command(argv: list[str] | None) -> int:
+    """Parse ``argv`` and run its command: ``main`` without its signal set-up."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(only_serve=argv[:1] == ["serve"]).parse_args(argv)
     if args.command == "lab":

@@ -202,16 +202,25 @@ class LLMEngine:
 
     @staticmethod
     def _model(loaded: LoadedModel, config: EngineConfig) -> tuple[nn.Module, list[str]]:
-        """The model to run and the HF names on int4 weights: built here, or already built."""
+        """The model to run and the HF names on int4 weights: built here (once per loaded
+        model and form), or already built."""
         if loaded.model is not None:  # fp32 on int4 kernels (`engine/weight_cache.py`)
             if config.dtype != torch.float32 or not config.quantized_weights:
                 raise ValueError("a prebuilt model runs fp32 on int4 weights only")
             return loaded.model, list(loaded.int4_weights)
-        model = build_model(loaded.config, dtype=config.dtype)
-        if config.quantized_weights:
-            return model, model.load_quantized(loaded.state_dict, loaded.quantized)
-        model.load_weights(loaded.state_dict)
-        return model, []
+        form = (config.dtype, config.quantized_weights)
+        if form not in loaded.built:
+            model = build_model(loaded.config, dtype=config.dtype)
+            if config.quantized_weights:
+                loaded.built[form] = (
+                    model,
+                    model.load_quantized(loaded.state_dict, loaded.quantized),
+                )
+            else:
+                model.load_weights(loaded.state_dict)
+                loaded.built[form] = model, []
+        model, int4_names = loaded.built[form]
+        return model, list(int4_names)
 
     def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
         """What else changes the KV values: int4 weights, a KV dtype other than the model's

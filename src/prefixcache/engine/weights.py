@@ -50,6 +50,11 @@ class LoadedModel:
     # Built already (`engine/weight_cache.py`): the fp32 model on int4 kernels, its int4 names.
     model: torch.nn.Module | None = None
     int4_weights: list[str] = field(default_factory=list)
+    # Built from these weights by an engine, by (dtype, on the file's blocks): the next engine
+    # shares it (a model's weights are read-only once built; the KV is each engine's own).
+    built: dict[tuple[torch.dtype, bool], tuple[torch.nn.Module, list[str]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
 
 def load_model(path: str | Path | None = None) -> LoadedModel:
