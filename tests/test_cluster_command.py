@@ -97,17 +97,39 @@ def test_a_cluster_routes_restarts_a_dead_replica_and_stops_on_one_ctrl_c(tmp_pa
             process.kill()
 
 
-def test_the_cluster_passes_the_retention_budget_and_kv_dtype_to_every_replica(tmp_path):
+REPLICA_FLAGS = ["--retention-budget", "0.3", "--kv-cache-dtype", "int8", "--step-target-ms", "100"]
+
+
+def test_the_cluster_passes_its_replica_options_to_every_replica(tmp_path):
     import argparse
 
     from prefixcache.router.cluster import add_cluster_parser, plan_cluster
 
     parser = argparse.ArgumentParser()
     add_cluster_parser(parser.add_subparsers(dest="command"))
-    flags = ["--retention-budget", "0.3", "--kv-cache-dtype", "int8"]
-    plan = plan_cluster(parser.parse_args(["cluster", "--replicas", "2", *flags]), tmp_path)
+    plan = plan_cluster(parser.parse_args(["cluster", "--replicas", "2", *REPLICA_FLAGS]), tmp_path)
     for replica in plan.replicas:
-        for flag, value in zip(flags[::2], flags[1::2], strict=True):
-            assert replica.command[replica.command.index(flag) + 1] == value
-    with pytest.raises(SystemExit):
-        parser.parse_args(["cluster", "--retention-budget", "1.5"])
+        assert_passed_on(replica.command)
+    for bad in (["--retention-budget", "1.5"], ["--step-target-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["cluster", *bad])
+
+
+def test_ray_passes_the_same_replica_options() -> None:
+    import argparse
+
+    from prefixcache.on_ray.cli import _serve_flags, add_ray_parser
+
+    parser = argparse.ArgumentParser()
+    add_ray_parser(parser.add_subparsers(dest="command"))
+    assert_passed_on(list(_serve_flags(parser.parse_args(["ray", *REPLICA_FLAGS]))))
+
+
+def assert_passed_on(command: list[str]) -> None:
+    """Each of ``REPLICA_FLAGS`` with its value, and ``serve`` itself takes them."""
+    from prefixcache.cli import build_parser
+
+    for flag, value in zip(REPLICA_FLAGS[::2], REPLICA_FLAGS[1::2], strict=True):
+        assert command[command.index(flag) + 1] == value
+    serve = build_parser(only_serve=True).parse_args(["serve", *REPLICA_FLAGS])
+    assert (serve.step_target_ms, serve.kv_cache_dtype) == (100, "int8")

@@ -173,6 +173,8 @@ def test_vllm_metric_names_beside_ours(served):
         "prefixcache_prefix_cache_queries_tokens", "prefixcache_requests_running",
     ):  # fmt: skip
         assert name in families, name
+    (idle,) = families["prefixcache_prefill_tokens_pending"].samples  # what routers weigh
+    assert idle.value == 0
     queries = families["vllm:prefix_cache_queries"].samples[0]
     assert queries.name == "vllm:prefix_cache_queries_total" and queries.value > 0
     assert queries.labels == {"model_name": "tiny"}

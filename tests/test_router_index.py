@@ -10,7 +10,15 @@ import pytest
 from prefixcache.cache import KVCacheManager, Namespace
 from prefixcache.router.digests import prompt_digests
 from prefixcache.router.index import GlobalIndex, Overlap
-from prefixcache.router.replicas import parse_health, parse_load, reachable
+from prefixcache.router.policy import Candidate, make_policy
+from prefixcache.router.replicas import (
+    PREFILL_TOKENS_PER_REQUEST,
+    Replica,
+    parse_health,
+    parse_load,
+    parse_pending_prefill,
+    reachable,
+)
 
 A, B, C = "http://a", "http://b", "http://c"
 
@@ -146,3 +154,16 @@ def test_parse_health_load_and_endpoints() -> None:
         "prefixcache_requests_running_other 9.0\n"
     )
     assert parse_load(text) == 5.0
+    assert parse_pending_prefill(text) == 0.0  # a replica that does not say
+    assert parse_pending_prefill(text + "prefixcache_prefill_tokens_pending 1536.0\n") == 1536.0
+
+
+def test_pending_prompt_tokens_weigh_in_a_replicas_load() -> None:
+    """Two replicas with one request each: the one with a 3,000-token prefill ahead is the
+    busier, and the least-loaded choice goes to the other."""
+    quiet, busy = Replica("http://a", in_flight=1), Replica("http://b", in_flight=1)
+    busy.pending_prefill = 3000.0
+    assert busy.load == 1 + 3000 / PREFILL_TOKENS_PER_REQUEST and quiet.load == 1
+    policy = make_policy("least-loaded")
+    candidates = [Candidate(r.url, r.load) for r in (busy, quiet)]
+    assert policy.choose([], candidates).url == quiet.url

@@ -185,7 +185,7 @@ def test_queue_time_is_counted_by_reason():
 
 
 def test_serve_takes_a_step_target_and_zero_turns_it_off(capsys):
-    assert build_parser().parse_args(["serve"]).step_target_ms == 0  # off unless asked for
+    assert build_parser().parse_args(["serve"]).step_target_ms == DEFAULT_STEP_TARGET_MS
     assert build_parser().parse_args(["serve", "--step-target-ms", "0"]).step_target_ms == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--step-target-ms", "-5"])
@@ -230,3 +230,26 @@ def test_the_engine_feeds_every_forward_to_the_cost_model():
     assert engine.snapshot.step_seconds[-1] == ("+Inf", forwards)
     assert engine.snapshot.step_target == 0.25
     assert_pool_clean(engine)
+
+
+def test_pending_prefill_tokens_count_what_is_left_past_each_hit():
+    """What a router weighs replicas by: a running prefill's rest, a waiting request's
+    tokens past its prefix hit (its whole prompt before it was first matched)."""
+    scheduler = timed_scheduler()
+    document = list(range(10_000, 10_512))
+    warm(scheduler.manager, document + [1])
+    scheduler.add(make_request("long", list(range(5000))).branches[0])
+    run_step(scheduler)  # alone: 2,048 of its 5,000
+    assert scheduler.pending_prefill_tokens() == 5000 - 2048
+    cached = make_request("cached", document + list(range(20)))
+    scheduler.add(cached.branches[0])
+    assert scheduler.pending_prefill_tokens() == 5000 - 2048 + 532  # not matched yet
+    scheduler.add(make_request("more", list(range(40_000, 43_000))).branches[0])
+    chunks = run_step(scheduler)
+    done = {c.branch.request.request_id: c.num_tokens for c in chunks}
+    waiting = {b.request.request_id: b.uncached for b in scheduler.waiting}
+    left = 5000 - 2048 - done.get("long", 0) + 3000 - done.get("more", 0)
+    assert "cached" in done and waiting.get("more", 3000) == 3000
+    assert scheduler.pending_prefill_tokens() == left
+    finish_all(scheduler)
+    assert scheduler.pending_prefill_tokens() == 0

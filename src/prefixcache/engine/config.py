@@ -9,10 +9,11 @@ DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The step time target we measured (docs/engine.md): ~200 prefill tokens beside a few decodes
-# on 2 cores, so a cached request's uncached tail fits in one step. Off unless asked for
-# (`--step-target-ms 250`): its chunk sizes follow measured times, so a prompt's prefill
-# may take the int4 kernels' small-batch path in one run and not in another, and greedy
-# tokens then differ between runs (found by test_quantized's caching on/off test).
+# on 2 cores, so a cached request's uncached tail fits in one step. `prefixcache serve`'s
+# default; an `EngineConfig` has none unless given one: chunk sizes then follow measured
+# times, so under concurrency a prompt's prefill may take the int4 kernels' small-batch path
+# in one run and not in another, and greedy tokens differ between runs (as any server's
+# batches do), where the library's token-only steps repeat exactly.
 DEFAULT_STEP_TARGET_MS = 250.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
 DEFAULT_KV_CACHE_DTYPE = "float32"

@@ -214,6 +214,7 @@ class Branch:
         self.num_preemptions = 0
         self.num_pauses = 0  # times a higher-priority arrival paused its prefill
         self.skipped_steps = 0  # steps in a row its running prefill got no chunk
+        self.uncached: int | None = None  # while waiting: tokens past its hit, last matched
 
     @property
     def id(self) -> str:

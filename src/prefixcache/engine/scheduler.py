@@ -256,7 +256,9 @@ class Scheduler:
         """Running prefills and waiting branches with their uncached tokens, in the order:
         aged ones by arrival, then by (priority, uncached tokens, arrival)."""
         found = [(b, remaining(b)) for b in self.running if not is_decode(b)]
-        found += [(b, len(b.token_ids) - self._cached_tokens(b)) for b in self.waiting]
+        for branch in self.waiting:
+            branch.uncached = len(branch.token_ids) - self._cached_tokens(branch)
+            found.append((branch, branch.uncached))
 
         def key(item: tuple[Branch, int]) -> tuple[int, ...]:
             branch, uncached = item
@@ -391,6 +393,13 @@ class Scheduler:
             for branch in self.waiting:
                 if branch.arrival < latest:
                     branch.passed_over += 1
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: running prefills' rest, and each waiting branch's
+        past its prefix hit as last matched (its whole prompt before a first match)."""
+        running = sum(remaining(b) for b in self.running if not is_decode(b))
+        waiting = (len(b.token_ids) if b.uncached is None else b.uncached for b in self.waiting)
+        return running + sum(waiting)
 
     def _cached_tokens(self, branch: Branch) -> int:
         request = branch.request

@@ -66,6 +66,7 @@ class EngineSnapshot:
     min_free_blocks: int
     num_running: int  # branches
     num_waiting: int
+    num_prefill_tokens_pending: int  # prompt tokens still to compute, running and waiting
     num_preemptions: int
     num_fair_deferrals: int
     num_pauses: int  # running prefills paused for a more urgent arrival
@@ -101,6 +102,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         min_free_blocks=stats.min_free_blocks,
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
+        num_prefill_tokens_pending=scheduler.pending_prefill_tokens(),
         num_preemptions=scheduler.num_preemptions,
         num_fair_deferrals=scheduler.num_fair_deferrals,
         num_pauses=scheduler.num_pauses,

@@ -20,9 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from prefixcache.argtypes import positive_int, unit_share
+from prefixcache.argtypes import positive_int
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
+from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
 from prefixcache.shutdown import (
     CUT_SHORT,
@@ -53,11 +54,7 @@ def add_ray_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-tier", metavar="SPEC", help=f"redis://... or {EMBEDDED_REDIS}")
     parser.add_argument("--api-key-file")
     parser.add_argument("--tenant-secret-file", help="default: a new one for this run")
-    parser.add_argument("--kv-cache-bytes", type=int, help="each replica's KV pool")
-    parser.add_argument(
-        "--kv-cache-dtype", metavar="DTYPE", help="each replica's `serve --kv-cache-dtype`"
-    )
-    parser.add_argument("--retention-budget", type=unit_share)
+    add_replica_flags(parser)
     parser.add_argument("--fair-cache", action="store_true", help="tenant-fair eviction")
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     parser.add_argument("--threads", type=positive_int, help="torch threads per replica")
@@ -253,15 +250,9 @@ def _specs(args: argparse.Namespace, folder: Path, tier: str | None):
 
 
 def _serve_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    flags = event_format_args(args)
-    for flag, value in (
-        ("--model", args.model),
-        ("--kv-cache-bytes", args.kv_cache_bytes),
-        ("--kv-cache-dtype", args.kv_cache_dtype),
-        ("--retention-budget", args.retention_budget),
-    ):
-        if value is not None:
-            flags += [flag, str(value)]
+    flags = event_format_args(args) + replica_flags(args)
+    if args.model is not None:
+        flags += ["--model", args.model]
     switches = {"--fair-cache": args.fair_cache, "--kv-events-token-ids": args.kv_events_token_ids}
     flags += [flag for flag, on in switches.items() if on]
     return tuple(flags)

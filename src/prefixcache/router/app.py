@@ -127,6 +127,7 @@ class RouterState:
                 "healthy": r.healthy,
                 "in_flight": r.in_flight,
                 "load": r.load,
+                "prefill_tokens_pending": r.pending_prefill,
                 "index_blocks": self.index.counts(r.url)._asdict(),
                 "kv_events": _feed_stats(r.feed.stats) if r.feed else None,
             }

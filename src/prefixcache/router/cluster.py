@@ -28,9 +28,9 @@ from pathlib import Path
 
 import httpx
 
-from prefixcache.argtypes import unit_share
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
+from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags
 from prefixcache.protocol.tenant_secret import load_secrets
 from prefixcache.shutdown import (
     CUT_SHORT,
@@ -114,13 +114,7 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--policy", default="cache-aware")
     cluster.add_argument("--api-key-file")
     cluster.add_argument("--tenant-secret-file", help="default: a new one in a temp folder")
-    cluster.add_argument("--kv-cache-bytes", type=int, help="each replica's KV pool")
-    cluster.add_argument(
-        "--kv-cache-dtype", metavar="DTYPE", help="each replica's `serve --kv-cache-dtype`"
-    )
-    cluster.add_argument(
-        "--retention-budget", type=unit_share, help="each replica's default retention share"
-    )
+    add_replica_flags(cluster)
     cluster.add_argument("--threads", type=int, help="per replica (default: cores / replicas)")
     cluster.add_argument(
         "--shutdown-timeout",
@@ -167,14 +161,11 @@ def _serve_command(
     command += ["--kv-events", f"tcp://127.0.0.1:{events}"]
     command += ["--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--threads", str(threads)]
     command += ["--shutdown-timeout", str(_shutdown_timeout(args))]
-    command += event_format_args(args)
+    command += event_format_args(args) + replica_flags(args)
     for flag, value in (
         ("--model", args.model),
         ("--kv-tier", f"env:{TIER_ENV}" if tier else None),
         ("--api-key-file", args.api_key_file),
-        ("--kv-cache-bytes", args.kv_cache_bytes),
-        ("--kv-cache-dtype", args.kv_cache_dtype),
-        ("--retention-budget", args.retention_budget),
     ):
         if value is not None:
             command += [flag, str(value)]

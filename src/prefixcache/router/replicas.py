@@ -31,6 +31,10 @@ log = logging.getLogger("prefixcache.router")
 DEFAULT_HEALTH_INTERVAL_S = 1.0
 DEFAULT_HEALTH_TIMEOUT_S = 3.0
 LOAD_GAUGES = ("prefixcache_requests_running", "prefixcache_requests_waiting")
+PENDING_PREFILL_GAUGE = "prefixcache_prefill_tokens_pending"
+# A replica's pending prompt tokens count in its load as requests: 512 tokens, about half a
+# second of prefill on 2 cores, weigh as one more request in flight (docs/router-and-cluster.md).
+PREFILL_TOKENS_PER_REQUEST = 512.0
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
 
 
@@ -103,10 +107,20 @@ def reachable(endpoint: str, base_url: str) -> str:
 
 def parse_load(text: str) -> float:
     """Running plus waiting branches, from a replica's Prometheus text."""
+    return parse_gauges(text, LOAD_GAUGES)
+
+
+def parse_pending_prefill(text: str) -> float:
+    """Prompt tokens the replica has still to compute (0 from one that does not say)."""
+    return parse_gauges(text, (PENDING_PREFILL_GAUGE,))
+
+
+def parse_gauges(text: str, names: tuple[str, ...]) -> float:
+    """The sum of the unlabelled samples of ``names`` in Prometheus text."""
     total = 0.0
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in LOAD_GAUGES:
+        if name in names:
             total += float(value)
     return total
 
@@ -120,6 +134,7 @@ class Replica:
     identity: ReplicaIdentity | None = None
     in_flight: int = 0  # requests this router has open on it
     external_load: float = 0.0  # running + waiting it reported, less our in-flight then
+    pending_prefill: float = 0.0  # prompt tokens it reported still to compute (ours too)
     refused: str | None = None  # why it is kept out despite answering
     last_error: str | None = None
     load_error: str | None = "not read yet"  # why its /metrics could not be read, last time
@@ -128,8 +143,11 @@ class Replica:
 
     @property
     def load(self) -> float:
-        """Requests running or waiting there: ours (exact, now) plus others' (scraped)."""
-        return self.in_flight + self.external_load
+        """Requests running or waiting there, ours (exact, now) plus others' (scraped), and
+        its pending prompt tokens as requests (``PREFILL_TOKENS_PER_REQUEST``)."""
+        return (
+            self.in_flight + self.external_load + self.pending_prefill / PREFILL_TOKENS_PER_REQUEST
+        )
 
 
 class Fleet:
@@ -336,6 +354,7 @@ class Fleet:
             )
             response.raise_for_status()
             replica.external_load = max(0.0, parse_load(response.text) - ours)
+            replica.pending_prefill = parse_pending_prefill(response.text)
             replica.load_error = None
         except (httpx.HTTPError, ValueError) as error:
             replica.load_error = describe(error)  # load stays as last seen; health decides

@@ -79,9 +79,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--step-target-ms",
         type=non_negative_int,
-        default=0,
-        help="a step's time target while others wait or stream (measured choice: "
-        f"{DEFAULT_STEP_TARGET_MS:g}); 0, the default: the token budget only",
+        default=int(DEFAULT_STEP_TARGET_MS),
+        help="a step's time target while others wait or stream (default: "
+        f"{DEFAULT_STEP_TARGET_MS:g}, measured); 0: the token budget only",
     )
     _add_limit_options(serve)
     serve.add_argument("--api-key-file", help="JSON file of tenants and their API keys")

@@ -88,6 +88,12 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
         ("kv_blocks", "KV blocks in the pool", snapshot.num_blocks),
         ("requests_running", "Branches running", snapshot.num_running),
         ("requests_waiting", "Branches waiting", snapshot.num_waiting),
+        (
+            "prefill_tokens_pending",
+            "Prompt tokens still to compute: running prefills' rest and waiting requests' "
+            "past their prefix hit (a router weighs replicas by it)",
+            snapshot.num_prefill_tokens_pending,
+        ),
     ]
     for name, documentation, value in gauges:
         yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
