@@ -86,15 +86,18 @@ class Peer:
     detokenize: Callable[[list[int]], str] | None = None
 
 
-def our_server(model: Path, threads: int, caching: bool = True) -> Starter:
-    """`make serve`'s command line (a disk tier in a temporary folder) on `port`."""
+def our_server(
+    model: Path, threads: int, caching: bool = True, extra: tuple[str, ...] = ()
+) -> Starter:
+    """`make serve`'s command line (a disk tier in a temporary folder) on `port`, and
+    ``extra`` flags."""
 
     def start(port: int) -> subprocess.Popen:
         tier = tempfile.mkdtemp(prefix="peers-tier-")
         command = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1"]
         command += ["--model", str(model)]
         command += ["--port", str(port), "--threads", str(threads), "--kv-tier", f"disk:{tier}"]
-        command += [] if caching else ["--no-prefix-caching"]
+        command += [*([] if caching else ["--no-prefix-caching"]), *extra]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     return start
