@@ -107,3 +107,4 @@ $(PEERS_STAMP): benchmarks/peers-requirements.txt
 bench-peers: kernels $(PEERS_STAMP)
 	$(BIN)/python benchmarks/llama_server.py
 	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS)/bin/python
+	$(BIN)/python benchmarks/http_scheduling.py --targets 100,500

@@ -134,7 +134,7 @@ def test_metrics_show_step_times_against_the_target_and_pauses(served):
     assert float(samples['prefixcache_step_seconds_bucket{le="+Inf"}']) == float(
         samples["prefixcache_step_seconds_count"]
     )
-    assert float(samples["prefixcache_step_target_seconds"]) == 0.25
+    assert float(samples["prefixcache_step_target_seconds"]) == DEFAULT_STEP_TARGET_MS / 1e3
     assert 'prefixcache_prefill_pauses_total{cause="priority"}' in samples
     assert 'prefixcache_queue_seconds_total{reason="seats"}' in samples
 

@@ -217,7 +217,7 @@ def test_an_aged_prompt_once_admitted_no_longer_goes_ahead_of_short_work():
 
 def test_the_engine_feeds_every_forward_to_the_cost_model():
     engine = tiny_engine(step_target_ms=DEFAULT_STEP_TARGET_MS)
-    assert engine.scheduler.step_target == 0.25
+    assert engine.scheduler.step_target == DEFAULT_STEP_TARGET_MS / 1e3
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", [100 + i] * (20 + 30 * i), greedy)
@@ -228,7 +228,7 @@ def test_the_engine_feeds_every_forward_to_the_cost_model():
     assert engine.scheduler.step_cost.num_observed == forwards >= 3
     engine.publish_snapshot()
     assert engine.snapshot.step_seconds[-1] == ("+Inf", forwards)
-    assert engine.snapshot.step_target == 0.25
+    assert engine.snapshot.step_target == DEFAULT_STEP_TARGET_MS / 1e3
     assert_pool_clean(engine)
 
 

@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# The step time target we measured (docs/engine.md): ~200 prefill tokens beside a few decodes
-# on 2 cores, so a cached request's uncached tail fits in one step. `prefixcache serve`'s
+# The step time target we measured (docs/benchmarks.md, benchmarks/http_scheduling.py): of 50,
+# 100, 250 and 500 ms, 100 kept a long prompt behind cached ones within 1.2x and cut agents'
+# TTFT beside a flood 2x against 250, the flood's throughput the same within noise (about
+# 0.8-0.9x of token-only steps at every target). `prefixcache serve`'s
 # default; an `EngineConfig` has none unless given one: chunk sizes then follow measured
 # times, so under concurrency a prompt's prefill may take the int4 kernels' small-batch path
 # in one run and not in another, and greedy tokens differ between runs (as any server's
 # batches do), where the library's token-only steps repeat exactly.
-DEFAULT_STEP_TARGET_MS = 250.0
+DEFAULT_STEP_TARGET_MS = 100.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
 DEFAULT_KV_CACHE_DTYPE = "float32"
 
