@@ -181,8 +181,8 @@ def test_ray_adds_a_replica_under_load_and_it_starts_warm_from_the_tier(deployed
 
     def load(worker: int) -> None:
         number = 0
-        while not done.is_set():
-            ask(deployed.url, f"Load {worker}.{number}: which pier?")
+        while not done.is_set():  # 48 tokens: in the engine most of its life, not in transit
+            ask(deployed.url, f"Load {worker}.{number}: which pier?", tokens=48)
             number += 1
 
     def deciding() -> bool:  # the load has done its part once Ray decides to scale up
