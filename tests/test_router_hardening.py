@@ -265,12 +265,16 @@ def test_no_error_a_client_reads_names_a_replica_url(caplog) -> None:
     urls = [fakes.enter_context(serving(FakeReplica().app())) for _ in range(2)]
     urls.append(fakes.enter_context(serving(breaking_replica())))
     config = RouterConfig(urls, make_policy("round-robin"), health_interval_s=60)
-    with running_router(config) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
+    with running_router(config) as (url, state), httpx.Client(base_url=url, timeout=30) as http:
         streamed = [http.post(TEXT, json={"prompt": "x", "stream": True}) for _ in urls]
         broken = next(r for r in streamed if r.headers[REPLICA_HEADER] == urls[2])
         assert "the replica failed mid-stream" in broken.text and broken.text.endswith(
             "data: [DONE]\n\n"
         )
+        # The failure's health check of the third replica ends first (it is up): run during
+        # the close below, it could take that replica out before the requests do.
+        wait_until(lambda: state.forwarder.checks_running == 0, what="the re-check")
+        assert state.fleet.replicas[urls[2]].healthy
         fakes.close()  # every replica stops; the router has not noticed yet
         refused = [http.post(CHAT, json=BODY), http.get("/v1/models"), http.get("/v1/models")]
     assert [r.status_code for r in refused] == [503] * 3

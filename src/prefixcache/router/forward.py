@@ -279,6 +279,11 @@ class Forwarder:
         self._record(ticket, route, "cut_at_shutdown")
         return ApiError(503, ROUTER_SHUTTING_DOWN)
 
+    @property
+    def checks_running(self) -> int:
+        """Health checks a failure scheduled that have not finished yet."""
+        return len(self._checks)
+
     def _schedule_check(self, ticket: Ticket) -> None:
         """Health-check the replica now, not at the next tick (a dropped keep-alive is no death)."""
         task = asyncio.get_running_loop().create_task(self.fleet.check(ticket.replica))
