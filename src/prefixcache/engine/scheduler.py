@@ -254,7 +254,8 @@ class Scheduler:
 
     def _prefill_order(self) -> list[tuple[Branch, int]]:
         """Running prefills and waiting branches with their uncached tokens, in the order:
-        aged ones by arrival, then by (priority, uncached tokens, arrival)."""
+        aged ones by arrival, then by (priority, uncached tokens, arrival). Each waiting
+        branch keeps its count (``Branch.uncached``, for ``pending_prefill_tokens``)."""
         found = [(b, remaining(b)) for b in self.running if not is_decode(b)]
         for branch in self.waiting:
             branch.uncached = len(branch.token_ids) - self._cached_tokens(branch)

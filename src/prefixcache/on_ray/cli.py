@@ -23,7 +23,7 @@ from pathlib import Path
 from prefixcache.argtypes import positive_int
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
-from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags
+from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
 from prefixcache.shutdown import (
     CUT_SHORT,
@@ -250,9 +250,7 @@ def _specs(args: argparse.Namespace, folder: Path, tier: str | None):
 
 
 def _serve_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    flags = event_format_args(args) + replica_flags(args)
-    if args.model is not None:
-        flags += ["--model", args.model]
+    flags = event_format_args(args) + replica_flags(args) + set_flags([("--model", args.model)])
     switches = {"--fair-cache": args.fair_cache, "--kv-events-token-ids": args.kv_events_token_ids}
     flags += [flag for flag, on in switches.items() if on]
     return tuple(flags)

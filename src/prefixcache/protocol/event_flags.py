@@ -7,6 +7,7 @@ import argparse
 import ipaddress
 
 from prefixcache.protocol.kv_events import MAX_TOPIC_CHARS, WIRE_FORMATS, check_topic
+from prefixcache.protocol.replica_flags import set_flags
 
 
 def add_event_format_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,14 +37,12 @@ def event_topic(value: str) -> str:
 
 def event_format_args(args: argparse.Namespace) -> list[str]:
     """The two flags, where set, as a command line (``cluster`` passes them on to replicas)."""
-    command: list[str] = []
-    for flag, value in (
-        ("--kv-events-format", getattr(args, "kv_events_format", None)),
-        ("--kv-events-topic", getattr(args, "kv_events_topic", None)),
-    ):
-        if value is not None:
-            command += [flag, value]
-    return command
+    return set_flags(
+        (
+            ("--kv-events-format", getattr(args, "kv_events_format", None)),
+            ("--kv-events-topic", getattr(args, "kv_events_topic", None)),
+        )
+    )
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

@@ -4,6 +4,7 @@ definition, so both commands take the same ones with the same checks."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 from prefixcache.argtypes import non_negative_int, unit_share
 
@@ -27,9 +28,11 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
 
 def replica_flags(args: argparse.Namespace) -> list[str]:
     """The ones set, as a command line for ``serve``."""
-    command: list[str] = []
-    for flag, _ in REPLICA_OPTIONS:
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            command += [flag, str(value)]
-    return command
+    return set_flags(
+        (flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag, _ in REPLICA_OPTIONS
+    )
+
+
+def set_flags(pairs: Iterable[tuple[str, object]]) -> list[str]:
+    """``flag value`` for each pair whose value is set (not None): a child's command line."""
+    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]

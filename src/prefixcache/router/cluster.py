@@ -30,7 +30,7 @@ import httpx
 
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
-from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags
+from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
 from prefixcache.protocol.tenant_secret import load_secrets
 from prefixcache.shutdown import (
     CUT_SHORT,
@@ -162,14 +162,13 @@ def _serve_command(
     command += ["--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--threads", str(threads)]
     command += ["--shutdown-timeout", str(_shutdown_timeout(args))]
     command += event_format_args(args) + replica_flags(args)
-    for flag, value in (
-        ("--model", args.model),
-        ("--kv-tier", f"env:{TIER_ENV}" if tier else None),
-        ("--api-key-file", args.api_key_file),
-    ):
-        if value is not None:
-            command += [flag, str(value)]
-    return command
+    return command + set_flags(
+        (
+            ("--model", args.model),
+            ("--kv-tier", f"env:{TIER_ENV}" if tier else None),
+            ("--api-key-file", args.api_key_file),
+        )
+    )
 
 
 def _shutdown_timeout(args: argparse.Namespace) -> float:

@@ -40,7 +40,7 @@ SOURCES = (
     "round_bf16.h",
 )
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
-COMPILE_ONLY = ("-shared",)  # what an object file's compile leaves out of FLAGS
+LINK_ONLY = ("-shared",)  # FLAGS an object file's compile leaves out
 _HERE = Path(__file__).resolve().parent
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def build(path: Path) -> Path:
 
 def _compile_objects(compiler: str, folder: Path, temporary: Path) -> list[str]:
     """Every source compiled into ``folder``, ``os.cpu_count()`` compilers at a time."""
-    flags = [flag for flag in FLAGS if flag not in COMPILE_ONLY]
+    flags = [flag for flag in FLAGS if flag not in LINK_ONLY]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     commands = {
         str(folder / f"{name}.o"): [compiler, *flags, *includes, "-c", str(_HERE / name), "-o"]
