@@ -299,9 +299,11 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
         load = Load(url)
         try:
             long = {"max_tokens": 300, "ignore_eos": True}
-            # Fresh documents, so cache-aware spreads them by load: both replicas get some.
-            wholes = [load.whole(chat(f"fox{i}", "Go on.", **long)) for i in range(4)]
-            streams = [load.stream(chat(f"gnu{i}", "Go on.", **long), i) for i in range(4)]
+            # The victim holds "elk": cache-aware sends the answers awaited whole there (the
+            # kill must catch some, to be retried) and one stream; fresh documents go by load.
+            wholes = [load.whole(chat("elk", f"Go on, {i}.", **long)) for i in range(4)]
+            docs = ["elk", "gnu1", "gnu2", "gnu3"]
+            streams = [load.stream(chat(d, f"Go on, {i}.", **long), i) for i, d in enumerate(docs)]
             wait_until(lambda: state.fleet.replicas[victim.url].in_flight >= 3, what="victim load")
             # A stream on the victim with most of its 300 tokens still to come, checked last:
             # under a loaded machine's scheduling a stream could finish during the wait above.
