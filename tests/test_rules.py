@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conftest import admit_computed
 from prefixcache import MultiModalItem, Namespace
+from prefixcache.cache.groups import KVGroupSpec
 
 
 def test_rule_1_only_complete_blocks_are_cacheable(make_manager):
@@ -176,3 +177,20 @@ def test_rule_10_last_prompt_token_is_always_computed(make_manager):
     assert again.num_cached_tokens == 4 and again.num_computed_tokens == 4
     m.free(again)
     assert m.match(tokens + [8]) == 8
+
+
+def test_rule_11_a_window_reads_only_held_pages_and_a_hit_serves_every_group(make_manager):
+    groups = [KVGroupSpec(1), KVGroupSpec(1, 8)]  # a window of 8 tokens reads 2 whole blocks
+    m = make_manager(num_blocks=16, block_size=4, groups=groups)
+    tokens = list(range(24))
+    seq = admit_computed(m, "a", tokens)
+    assert seq.window_tables[0][:4] == [-1] * 4  # out of the window: given back at once
+    assert m.stats.window_pages_released == 4
+    m.free(seq)
+    assert m.match(tokens + [99]) == 24  # the window at the prompt's end was kept
+    assert m.match(tokens[:12] + [99]) == 12  # stale pages still serve until evicted
+    for request_id, offset in (("d", 100), ("e", 200)):  # pressure: stale pages go first
+        m.free(admit_computed(m, request_id, list(range(offset, offset + 8))))
+    assert m.stats.window_pages_evicted >= 4
+    assert m.match(tokens[:12] + [99]) == 0  # full blocks held, windows not: a miss
+    assert m.match(tokens + [99]) == 24  # the kept window outlived the stale ones

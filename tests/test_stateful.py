@@ -9,7 +9,9 @@ be exactly those of the pool's indexed blocks. Requests belong to owners; the ``
 variants give the pool owner shares, and ``check_invariants`` then also proves the
 per-owner counts add up to the pool. Owners also retain prefixes for a few seconds of a fake
 clock that the machine advances, so retained blocks are held, freed, hit, expired, swept and
-evicted as a last resort in every variant.
+evicted as a last resort in every variant. The ``Hybrid`` variants give the pool window
+groups: every write also lands in the pages of each window group, and each live sequence
+must read its own tokens back through its window tables wherever its windows read.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hypothesis.stateful import (
 from prefixcache import CapacityError, KVCacheManager
 from prefixcache.cache.common import cdiv
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixcache.cache.groups import KVGroupSpec
 
 BASES = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
@@ -52,6 +55,7 @@ class CacheMachine(RuleBasedStateMachine):
     eviction_policy = "lru"
     index = "hash"
     owner_shares: dict[str, float] | None = None  # None: owners are ignored (not fair)
+    groups: tuple[KVGroupSpec, ...] = ()  # window groups after the full one: a hybrid pool
     sequences = Bundle("sequences")
 
     def __init__(self) -> None:
@@ -65,6 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
             owner_shares=self.owner_shares,
             clock=self._clock,
             retention_budgets={"c": 1.0},  # the others keep the default half of the pool
+            groups=self.groups,
         )
         self.shadow: dict[tuple[int, int], int] = {}
         self.next_id = 0
@@ -92,6 +97,18 @@ class CacheMachine(RuleBasedStateMachine):
     def _slot(self, seq, position: int) -> tuple[int, int]:
         return seq.block_table[position // self.block_size], position % self.block_size
 
+    def _write(self, seq, position: int) -> None:
+        """The engine writes a token's K/V in every group: the full table and each window's."""
+        block, slot = divmod(position, self.block_size)
+        self.shadow[(seq.block_table[block], slot)] = seq.token_ids[position]
+        for table in seq.window_tables:
+            assert table[block] >= 0, f"{seq.request_id} computes block {block} without a page"
+            self.shadow[(table[block], slot)] = seq.token_ids[position]
+
+    def _pages(self, tokens) -> int:
+        """Pool pages a prompt of ``tokens`` takes while it computes."""
+        return cdiv(len(tokens), self.block_size) * self.manager.pages_per_block
+
     @rule(target=sequences, base=st.sampled_from(BASES), tail=TAILS, salt=SALTS, owner=OWNERS)
     def admit(self, base, tail, salt, owner):
         tokens = base + tail or [0]
@@ -102,12 +119,12 @@ class CacheMachine(RuleBasedStateMachine):
         try:
             seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt, owner=owner)
         except CapacityError:
-            assert cdiv(len(tokens), self.block_size) > self.num_blocks
+            assert self._pages(tokens) > self.num_blocks
             return multiple()  # nothing to add
         if seq is None:
             assert self.manager.num_free_blocks == free_before
             # retained free blocks count as free: only a pool short of blocks refuses
-            assert cdiv(len(tokens), self.block_size) > free_before
+            assert self._pages(tokens) > free_before
             return multiple()
         for name, suffered in protected.items():  # the fair admission check held its word
             assert self._usage()[name].evictions_suffered == suffered, name
@@ -121,6 +138,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.manager.stats.retention_evictions > before:
             pool = self.manager.pool
             assert pool.empty_queue.size == 0 and len(pool.parts) == 0
+            assert pool.windows is None or len(pool.windows) == 0
 
     def _usage(self) -> dict:
         return {usage.name: usage for usage in self.manager.owner_usage()}
@@ -146,7 +164,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         upto = data.draw(st.integers(seq.num_computed_tokens, seq.num_tokens))
         for position in range(seq.num_computed_tokens, upto):
-            self.shadow[self._slot(seq, position)] = seq.token_ids[position]
+            self._write(seq, position)
         self.manager.commit(seq, upto)
 
     @rule(seq=sequences, tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6))
@@ -191,13 +209,13 @@ class CacheMachine(RuleBasedStateMachine):
     def pin(self, base, tail, salt, owner, ttl):
         """A whole request at once, retained before it is freed: free retained blocks."""
         tokens = base + tail or [0]
-        if cdiv(len(tokens), self.block_size) > self.num_blocks:
+        if self._pages(tokens) > self.num_blocks:
             return
         seq = self.manager.admit(self._new_id(), tokens, cache_salt=salt, owner=owner)
         if seq is None:
             return
         for position in range(seq.num_computed_tokens, len(tokens)):
-            self.shadow[self._slot(seq, position)] = tokens[position]
+            self._write(seq, position)
         self.manager.commit(seq, len(tokens))
         self.manager.retain(seq, len(tokens), ttl, owner=owner)
         self.manager.free(seq)
@@ -235,6 +253,19 @@ class CacheMachine(RuleBasedStateMachine):
                     f"{seq.request_id} position {position}: read {found}, "
                     f"expected {seq.token_ids[position]}"
                 )
+            self._read_back_windows(seq)
+
+    def _read_back_windows(self, seq) -> None:
+        """Each window group reads its own tokens back wherever its window still reads."""
+        windows = self.manager.windows
+        for group, table in enumerate(seq.window_tables):
+            start = windows.needed_from(group, seq.num_computed_tokens) * self.block_size
+            for position in range(start, seq.num_computed_tokens):
+                block, slot = divmod(position, self.block_size)
+                found = self.shadow.get((table[block], slot))
+                assert found == seq.token_ids[position], (
+                    f"{seq.request_id} window group {group} position {position}: read {found}"
+                )
 
     @invariant()
     def pool_invariants_hold(self):
@@ -259,8 +290,21 @@ class SmallBlockMachine(CacheMachine):
     num_blocks = 6
 
 
+def _hybrid(*windows: int) -> tuple[KVGroupSpec, ...]:
+    """A full group, then one window group per size."""
+    return (KVGroupSpec(1),) + tuple(KVGroupSpec(1, window) for window in windows)
+
+
 # Each variant: (base machine, class attributes). The same rules must hold in every one.
 VARIANTS = {
+    # Window groups: pages released mid-run, kept or stale, evicted as tombstones.
+    "Hybrid": (CacheMachine, {"groups": _hybrid(6), "num_blocks": 16}),
+    "HybridTwoWindows": (SmallBlockMachine, {"groups": _hybrid(3, 5), "num_blocks": 15}),
+    "HybridFairRadix": (
+        SmallBlockMachine,
+        {"groups": _hybrid(4), "num_blocks": 12, "owner_shares": {}, "index": "radix"},
+    ),
+    "HybridSignals": (SmallBlockMachine, {"groups": _hybrid(5), "eviction_policy": "signals"}),
     "FastHash": (CacheMachine, {"hash_algo": "xxh3_128"}),  # the optional xxh3_128 digest
     "ARC": (SmallBlockMachine, {"eviction_policy": "arc"}),  # many evictions, ARC victims
     "SLRU": (SmallBlockMachine, {"eviction_policy": "slru"}),

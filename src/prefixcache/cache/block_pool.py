@@ -12,6 +12,7 @@ from prefixcache.cache.owners import Owners
 from prefixcache.cache.policies import EvictionPolicy, LRUPolicy
 from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats
+from prefixcache.cache.window_pages import WindowPages
 
 BlockListener = Callable[[Block], None]
 
@@ -58,6 +59,7 @@ class BlockPool:
         self.on_index: list[BlockListener] = []  # new content mapped (after ``store``)
         self.on_evict: list[BlockListener] = []  # an indexed block, before it loses its key
         self.on_clear: list[Callable[[], None]] = []  # every mapping dropped
+        self.windows: WindowPages | None = None  # window groups' pages (a hybrid model)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -66,7 +68,8 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.empty_queue.size + len(self.parts) + len(self.retention.free)
+        free = self.empty_queue.size + len(self.parts) + len(self.retention.free)
+        return free if self.windows is None else free + len(self.windows)
 
     def free_blocks(self) -> Iterator[Block]:
         """Every free block: the empty ones in reuse order, each part's in its order, then
@@ -75,18 +78,27 @@ class BlockPool:
         for policy in self.parts.policies():
             yield from policy
         yield from self.retention.free.values()
+        if self.windows is not None:
+            yield from self.windows.free_pages()
 
     def allocate(self, count: int, owner: int = 0) -> list[Block]:
-        """Take ``count`` blocks for ``owner``: empty ones first, then the policy's victims,
-        then (only if those run out) retained blocks, earliest expiry first."""
+        """Take ``count`` blocks for ``owner``: empty ones first, then stale window pages, the
+        policy's victims, kept window pages and (only if those run out) retained blocks,
+        earliest expiry first."""
         assert count <= self.num_free_blocks, "allocate beyond the free blocks"
         if self.retention.free:
             self._make_room(count, owner)
         parts, queue = self.parts, self.empty_queue
         parts.prepare(owner)
         taken = []
+        windows = self.windows
         for _ in range(count):
-            block = queue.popleft() if queue.size else parts.pop_victim(owner)
+            if queue.size:
+                block = queue.popleft()
+            elif windows is not None and (windows.stale.size or not len(parts)):
+                block = windows.pop(windows.stale if windows.stale.size else windows.kept)
+            else:
+                block = parts.pop_victim(owner)
             if block.uid:
                 self._forget(block)
             block.ref_cnt = 1
@@ -164,7 +176,8 @@ class BlockPool:
 
     def drop_all_cached(self) -> int:
         """Forget every mapping; only valid while no block is referenced."""
-        for block in self.parts.clear() + self.retention.clear():
+        pages = [] if self.windows is None else self.windows.clear()
+        for block in self.parts.clear() + self.retention.clear() + pages:
             self.empty_queue.append(block)
         dropped = len(self.cached)
         for block in self.blocks:
@@ -195,6 +208,8 @@ class BlockPool:
         self.sweep_expired()
         parts, retention = self.parts, self.retention
         short = count - self.empty_queue.size - len(parts)
+        if self.windows is not None:
+            short -= len(self.windows)
         if short <= 0:
             return
         parts.prepare(owner)
@@ -210,6 +225,9 @@ class BlockPool:
         if block.key is not None:
             for listener in self.on_evict:
                 listener(block)
+            if self.windows is not None:
+                for page in self.windows.drop_all(block):
+                    self.empty_queue.appendleft(page)
             duplicates = self.duplicates
             if duplicates and block.uid in duplicates:
                 self._promote(block)

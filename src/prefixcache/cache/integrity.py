@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prefixcache.cache.blocks import check_queue
 from prefixcache.cache.common import cdiv, require
 from prefixcache.cache.retention import NO_MARK
+from prefixcache.cache.sequence import NO_PAGE
 
 if TYPE_CHECKING:
     from prefixcache.cache.blocks import Block
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from prefixcache.cache.owner_parts import OwnerParts
     from prefixcache.cache.retention import Retention
     from prefixcache.cache.sequence import Sequence
+    from prefixcache.cache.window_pages import WindowPages
 
 
 def check(manager: KVCacheManager) -> None:
@@ -28,6 +30,10 @@ def check(manager: KVCacheManager) -> None:
     _check_retention(manager)
     for seq in manager.sequences.values():
         _check_sequence(manager, seq)
+    if manager.windows is not None:
+        _check_attachments(manager.windows)
+        for seq in manager.sequences.values():
+            _check_window_rows(manager.windows, seq)
 
 
 def _check_free_queue(manager: KVCacheManager) -> set[int]:
@@ -51,6 +57,8 @@ def _check_free_queue(manager: KVCacheManager) -> set[int]:
         require(block.ref_cnt == 0, f"rule 6: {block} is in retention while in use")
         require(block.key is not None, f"retention: {block} holds nothing cached")
         free_ids.add(block_id)
+    if pool.windows is not None:
+        _check_free_pages(pool.windows, free_ids)
     require(
         len(free_ids) == pool.num_free_blocks,
         f"free: {pool.num_free_blocks} counted, {len(free_ids)} held",
@@ -61,6 +69,13 @@ def _check_free_queue(manager: KVCacheManager) -> set[int]:
 def _check_refcounts(manager: KVCacheManager, free_ids: set[int]) -> None:
     """Each refcount equals the tables holding the block; free + used == total."""
     held = Counter(block.block_id for seq in manager.sequences.values() for block in seq.blocks)
+    held.update(
+        page.block_id
+        for seq in manager.sequences.values()
+        for row in seq.window_pages
+        for page in row
+        if page is not None
+    )
     for block in manager.pool.blocks:
         require(
             block.ref_cnt == held[block.block_id],
@@ -228,3 +243,56 @@ def _check_sequence(manager: KVCacheManager, seq: Sequence) -> None:
                 block.key[1] == seq.block_bytes(index),
                 f"rule 8: {block} is indexed under tokens {seq.request_id!r} does not hold",
             )
+
+
+def _check_free_pages(windows: WindowPages, free_ids: set[int]) -> None:
+    """Free window pages wait once each, attached to a block that can still be matched."""
+    check_queue(windows.stale, "stale window pages")
+    check_queue(windows.kept, "kept window pages")
+    kept = {page.block_id for page in windows.kept}
+    require(kept == windows.in_kept, "rule 11: the kept set disagrees with the kept queue")
+    for page in windows.free_pages():
+        require(page.block_id not in free_ids, f"free: window page {page} is held twice")
+        require(page.block_id in windows.home, f"rule 11: free window page {page} is detached")
+        logical, _ = windows.home[page.block_id]
+        require(logical.key is not None, f"rule 11: free {page} serves unmatchable {logical}")
+        free_ids.add(page.block_id)
+
+
+def _check_attachments(windows: WindowPages) -> None:
+    """Each attached page is filed both ways; a page holds no identity of its own."""
+    for logical_id, pages in windows.attached.items():
+        require(any(pages), f"rule 11: block {logical_id} is listed with no window page")
+        for group, page in enumerate(pages):
+            if page is None:
+                continue
+            logical, filed = windows.home.get(page.block_id, (None, -1))
+            require(
+                logical is not None and logical.block_id == logical_id and filed == group,
+                f"rule 11: {page} is attached to block {logical_id} but filed elsewhere",
+            )
+            require(page.uid == 0 and page.key is None, f"rule 11: window {page} has a key")
+    attached = sum(1 for pages in windows.attached.values() for page in pages if page)
+    require(attached == len(windows.home), f"rule 11: {len(windows.home)} homes, {attached} pages")
+
+
+def _check_window_rows(windows: WindowPages, seq: Sequence) -> None:
+    """A live sequence holds a page of its own block wherever its windows read (rule 11)."""
+    for group, (row, table) in enumerate(zip(seq.window_pages, seq.window_tables, strict=True)):
+        require(len(row) == len(seq.blocks), f"rule 11: {seq.request_id!r} group {group} row")
+        start = windows.needed_from(group, seq.num_computed_tokens)
+        for index, page in enumerate(row):
+            if page is None:
+                require(
+                    index < start and table[index] == NO_PAGE,
+                    f"rule 11: {seq.request_id!r} lost window group {group}'s block {index} "
+                    "while its window reads it",
+                )
+                continue
+            require(table[index] == page.block_id, f"rule 11: {seq.request_id!r} window table")
+            logical, _ = windows.home[page.block_id]
+            require(
+                logical is seq.blocks[index],
+                f"rule 11: {page} of {seq.request_id!r} serves {logical}, not its block {index}",
+            )
+            require(page.ref_cnt > 0, f"rule 6: {seq.request_id!r} holds free window {page}")

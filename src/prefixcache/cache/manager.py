@@ -12,6 +12,7 @@ from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, cdiv
 from prefixcache.cache.events import MEDIUM_POOL, AllBlocksCleared, BlockStored, RemovalReporter
+from prefixcache.cache.groups import KVGroupSpec, window_sizes
 from prefixcache.cache.hashing import (
     ROOT_UID,
     Extras,
@@ -39,6 +40,7 @@ from prefixcache.cache.validation import (
     check_retention,
     check_token_ids,
 )
+from prefixcache.cache.window_pages import WindowPages
 
 if TYPE_CHECKING:
     from prefixcache.cache.events import EventSink
@@ -55,6 +57,9 @@ class KVCacheManager:
     ``retain`` keeps a prefix past the eviction policy's order (``Retention``): each owner
     may retain ``retention_budget`` of the pool (``retention_budgets`` per owner name);
     ``clock`` is when marks expire (seconds; tests pass a fake one).
+    ``groups`` (a hybrid model: a full group, then window groups) gives every block one page
+    per window group as well, from the same pool; each window group keeps only what its
+    window reads (``WindowPages``), and a hit is the longest prefix every group serves.
     """
 
     _event_sink: EventSink | None = None  # see set_event_sink
@@ -76,6 +81,7 @@ class KVCacheManager:
         clock: Callable[[], float] = time.monotonic,
         retention_budget: float = DEFAULT_SHARE,
         retention_budgets: Mapping[str, float] | None = None,
+        groups: SequenceOf[KVGroupSpec] = (),
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -103,6 +109,15 @@ class KVCacheManager:
             Retention(num_blocks, self.stats, clock, retention_budget, retention_budgets),
         )
         self.eviction_policy, self.index = eviction_policy, index
+        self.groups = tuple(groups)
+        windows = window_sizes(self.groups)
+        self.windows = (
+            None
+            if not windows
+            else WindowPages(windows, block_size, self.stats, self.pool.empty_queue)
+        )
+        self.pool.windows = self.windows
+        self.pages_per_block = 1 + len(windows)  # pool pages one block takes while held whole
         self._walk = self.pool.cached.walk  # rule 4: extend hits through the index
         self.sequences: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
@@ -210,8 +225,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         max_blocks = (len(token_ids) - cap_last_token) // self.block_size
-        found = self._walk(token_bytes, max_blocks, extras)
-        return found.blocks if len(found.blocks) * self.block_size >= min_hit_tokens else []
+        found = self._walk(token_bytes, max_blocks, extras).blocks
+        if self.windows is not None:
+            found = found[: self.windows.longest_hit(found)]
+        return found if len(found) * self.block_size >= min_hit_tokens else []
 
     def would_crowd_out(
         self,
@@ -230,7 +247,10 @@ class KVCacheManager:
             return False
         hits = self._matched_blocks(token_ids, cache_salt, None, (), True, min_hit_tokens)
         pool = self.pool
-        evictions = cdiv(len(token_ids), self.block_size) - len(hits) - pool.empty_queue.size
+        new_pages = (cdiv(len(token_ids), self.block_size) - len(hits)) * self.pages_per_block
+        evictions = new_pages - pool.empty_queue.size
+        if self.windows is not None:  # stale pages go first, less those the hit takes
+            evictions -= self.windows.spare_stale(self.windows.hit_rows(hits))
         if not pool.retention.free:
             return pool.parts.would_evict_protected(owner_id, evictions, hits)
         pool.sweep_expired()  # what the allocation would do first (moves no content)
@@ -287,17 +307,22 @@ class KVCacheManager:
         check_optional_str("owner", owner)
         token_bytes, extras = self._prepare(token_ids, cache_salt, lora_name, mm_items)
         num_tokens = len(token_ids)
-        check_fits(num_tokens, self.block_size, self.num_blocks)
+        check_fits(num_tokens, self.block_size, self.num_blocks, pages=self.pages_per_block)
         num_needed = cdiv(num_tokens, self.block_size)
         hits = self._lookup(token_bytes, num_tokens - cap_last_token, extras)
+        hits, rows = self._window_hit(hits)
         if len(hits) * self.block_size < min_hit_tokens:
-            hits = []
-        if not self._can_allocate(num_needed - len(hits), hits):
+            hits, rows = [], [[] for _ in rows]
+        hit_pages = [page for row in rows for page in row if page is not None]
+        num_new = num_needed - len(hits)
+        if not self._can_allocate(num_new * self.pages_per_block, hits + hit_pages):
             self.stats.failed_admissions += 1
             return None
         owner_id = 0 if self.owners is None else self.owners.id_of(owner)
         self.pool.touch(hits)  # before allocate: never evict the prefix just found
-        blocks = hits + self.pool.allocate(num_needed - len(hits), owner_id)
+        if self.windows is not None:
+            self.windows.acquire(hit_pages)  # nor the windows it reads (rule 5)
+        blocks = hits + self.pool.allocate(num_new, owner_id)
         keys = ChainKeys(
             token_bytes,
             extras,
@@ -308,8 +333,11 @@ class KVCacheManager:
             tuple(mm_items),
             cap_last_token,
         )
+        if self.windows is not None:
+            pages = self.pool.allocate(num_new * len(rows), owner_id)
+            self.windows.extend(rows, blocks[len(hits) :], pages)
         seq = Sequence(
-            request_id, self.block_size, list(token_ids), blocks, keys, len(hits), owner_id
+            request_id, self.block_size, list(token_ids), blocks, keys, len(hits), owner_id, rows
         )
         self.sequences[request_id] = seq
         self._count_admission(num_tokens, seq.num_cached_tokens)
@@ -333,6 +361,8 @@ class KVCacheManager:
             else:
                 self._store_reported(seq, seq.num_stored_blocks, full)
             seq.num_stored_blocks = full
+        if self.windows is not None:
+            self.windows.slide(seq)
 
     def commit_loaded(self, seq: Sequence, num_blocks: int) -> None:
         """The next ``num_blocks`` blocks after the hit were loaded from a second tier.
@@ -340,6 +370,8 @@ class KVCacheManager:
         They count as cached (served without compute) and become matchable at once.
         """
         self._check_live(seq)
+        if self.windows is not None:
+            raise ValueError("a pool with window groups loads nothing from a second tier")
         start = seq.num_cached_tokens
         end = start + num_blocks * self.block_size
         if seq.num_computed_tokens != start or end > seq.num_prompt_tokens - seq.cap_last_token:
@@ -373,13 +405,16 @@ class KVCacheManager:
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         """Give ``seq`` its new blocks and a private copy of a shared partial tail."""
         copy_on_write = seq.num_tokens % self.block_size != 0 and seq.blocks[-1].ref_cnt > 1
-        if num_new + copy_on_write > self.pool.num_free_blocks:
+        if (num_new + copy_on_write) * self.pages_per_block > self.pool.num_free_blocks:
             return False
         if copy_on_write:
             self._copy_last_block(seq)
         new_blocks = self.pool.allocate(num_new, seq.owner)
         seq.blocks.extend(new_blocks)
         seq.block_table.extend(block.block_id for block in new_blocks)
+        if self.windows is not None:
+            pages = self.pool.allocate(num_new * self.windows.num_groups, seq.owner)
+            self.windows.extend(seq.window_pages, new_blocks, pages, seq.window_tables)
         return True
 
     def retain(
@@ -410,6 +445,8 @@ class KVCacheManager:
             raise ValueError(f"request_id {request_id!r} is already admitted")
         child = seq.clone(request_id)
         self.pool.touch(child.blocks)
+        if self.windows is not None:
+            self.windows.acquire([p for row in child.window_pages for p in row if p is not None])
         self.sequences[request_id] = child
         return child
 
@@ -418,6 +455,8 @@ class KVCacheManager:
         self._check_live(seq)
         if self.observer is not None:
             self.observer.freed(seq)
+        if self.windows is not None:  # first: a page's fate depends on its block's identity
+            self.windows.release_all(seq)
         self.pool.release(reversed(seq.blocks), seq.owner)
         del self.sequences[seq.request_id]
         seq.blocks = []
@@ -493,6 +532,15 @@ class KVCacheManager:
                 self._memo.remember(memo_key, token_bytes, hits, uids, step)
         return hits
 
+    def _window_hit(self, hits: list[Block]) -> tuple[list[Block], list[list[Block | None]]]:
+        """The hit every group serves, and each window group's pages of it (none: [])."""
+        windows = self.windows
+        if windows is None:
+            return hits, []
+        usable = windows.longest_hit(hits)
+        self.stats.window_lost_tokens += (len(hits) - usable) * self.block_size
+        return hits[:usable], windows.hit_rows(hits[:usable])
+
     def _can_allocate(self, num_new: int, hits: list[Block]) -> bool:
         """Whether ``num_new`` blocks fit once the hits leave the free queue."""
         free = self.pool.num_free_blocks
@@ -513,6 +561,8 @@ class KVCacheManager:
             key = (parent, chunk, extra) if extra else (parent, chunk)
             digest = block_digest(seq.parent_digest(index), chunk, extra or (), self._hash_fn)
             self.pool.store(block, key, digest)
+            if block.key is None and self.windows is not None:
+                self.windows.adopt(self.pool.cached[key], block)
             return block.key is not None
         return False
 
@@ -545,6 +595,9 @@ class KVCacheManager:
         """Copy-on-write: give ``seq`` a private copy of its shared partial last block."""
         (copy,) = self.pool.allocate(1, seq.owner)
         shared = seq.blocks[-1]
+        if self.windows is not None:
+            pages = self.pool.allocate(self.windows.num_groups, seq.owner)
+            self._pending_copies += self.windows.replace_last(seq, copy, pages)
         self.pool.release([shared], seq.owner)
         seq.blocks[-1] = copy
         seq.block_table[-1] = copy.block_id

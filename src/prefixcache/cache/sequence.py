@@ -11,6 +11,7 @@ from prefixcache.cache.common import TOKEN_BYTES
 from prefixcache.cache.hashing import Extras, MultiModalItem, chain_digests, encode_tokens
 
 BLOCK_ID = attrgetter("block_id")
+NO_PAGE = -1  # a window table's entry for a block outside the window (never read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,10 @@ class Sequence:
     keys: ChainKeys
     num_cached_blocks: InitVar[int] = 0  # leading blocks served from cache at admission
     owner: int = 0  # the owner id its freed blocks are charged to (a fair pool's)
+    window_pages: list[list[Block | None]] = field(default_factory=list)  # per window group
     block_table: list[int] = field(init=False)
+    window_tables: list[list[int]] = field(init=False)  # page ids per window group; -1: none
+    window_from: list[int] = field(init=False)  # per window group: the first block still held
     num_prompt_tokens: int = field(init=False)
     num_cached_tokens: int = field(init=False)  # served from cache
     num_computed_tokens: int = field(init=False)  # KV written (or reused) so far
@@ -46,6 +50,9 @@ class Sequence:
 
     def __post_init__(self, num_cached_blocks: int) -> None:
         self.block_table = list(map(BLOCK_ID, self.blocks))
+        self.window_tables = [[NO_PAGE if p is None else p.block_id for p in row]
+                              for row in self.window_pages]  # fmt: skip
+        self.window_from = [_first_held(row) for row in self.window_pages]
         self.num_prompt_tokens = len(self.keys.prompt_bytes) // TOKEN_BYTES
         self.num_cached_tokens = self.num_computed_tokens = num_cached_blocks * self.block_size
         self.num_stored_blocks = num_cached_blocks
@@ -69,7 +76,8 @@ class Sequence:
         )
 
     def clone(self, request_id: str) -> Sequence:
-        """A copy sharing the same blocks (the caller takes the extra references)."""
+        """A copy sharing the same blocks and window pages (the caller takes the extra
+        references)."""
         child = Sequence(
             request_id,
             self.block_size,
@@ -77,6 +85,7 @@ class Sequence:
             list(self.blocks),
             self.keys,
             owner=self.owner,
+            window_pages=[list(row) for row in self.window_pages],
         )
         child.num_cached_tokens = self.num_cached_tokens
         child.num_computed_tokens = self.num_computed_tokens
@@ -113,3 +122,8 @@ class Sequence:
             for index in range(len(digests), len(self.token_ids) // self.block_size)
         )
         return digests + chain_digests(parent, blocks, self.keys.hash_fn)
+
+
+def _first_held(row: list[Block | None]) -> int:
+    """Index of the first page a window row holds (its length if none)."""
+    return next((index for index, page in enumerate(row) if page is not None), len(row))

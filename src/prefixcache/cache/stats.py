@@ -24,6 +24,9 @@ class CacheStats:
     retention_expired: int = 0  # marks that ran out (noticed at a release or an allocation)
     retention_evictions: int = 0  # retained blocks evicted before expiry: nothing else was free
     retention_saved_hits: int = 0  # hits on a free block Retention held (a proxy: see below)
+    window_pages_released: int = 0  # window pages a sequence gave back, still matchable
+    window_pages_evicted: int = 0  # free window pages taken for reuse (their block stays)
+    window_lost_tokens: int = 0  # prompt tokens the full groups held but the windows did not
 
     # ``retention_saved_hits`` counts hits on free blocks kept out of the policy by an
     # unexpired mark: blocks that might have been evicted without it (a cheap proxy; the

@@ -53,18 +53,23 @@ def check_mm_items(items: Sequence[MultiModalItem], num_tokens: int) -> None:
             )
 
 
-def check_fits(num_tokens: int, block_size: int, total: int, num_generated: int = 0) -> None:
+def check_fits(
+    num_tokens: int, block_size: int, total: int, num_generated: int = 0, pages: int = 1
+) -> None:
     """CapacityError for a prompt that, with ``num_generated`` more tokens, outgrows the pool.
 
     The one capacity check: the cache applies it at admission, the engine when a request
-    arrives (reserving room for the first generated token).
+    arrives (reserving room for the first generated token). ``pages``: pool pages a block
+    takes while a prompt computes (1 + its window groups in a hybrid pool).
     """
-    needed = cdiv(num_tokens + num_generated, block_size)
+    needed = cdiv(num_tokens + num_generated, block_size) * pages
     if needed > total:
         room = "; 1 more is generated" if num_generated == 1 else ""
+        each = f" ({pages} pages a block while it computes: 1 + window groups)" if pages > 1 else ""
         raise CapacityError(
-            f"the prompt has {num_tokens} tokens and needs {needed} KV blocks; the pool has "
-            f"{total} blocks ({total * block_size} tokens at block size {block_size}{room})"
+            f"the prompt has {num_tokens} tokens and needs {needed} KV blocks{each}; the pool "
+            f"has {total} blocks ({total // pages * block_size} tokens at block size "
+            f"{block_size}{room})"
         )
 
 
