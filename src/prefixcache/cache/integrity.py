@@ -272,8 +272,12 @@ def _check_attachments(windows: WindowPages) -> None:
                 f"rule 11: {page} is attached to block {logical_id} but filed elsewhere",
             )
             require(page.uid == 0 and page.key is None, f"rule 11: window {page} has a key")
-    attached = sum(1 for pages in windows.attached.values() for page in pages if page)
-    require(attached == len(windows.home), f"rule 11: {len(windows.home)} homes, {attached} pages")
+    counts = [0] * windows.num_groups
+    for pages in windows.attached.values():
+        for group, page in enumerate(pages):
+            counts[group] += page is not None
+    require(sum(counts) == len(windows.home), f"rule 11: {len(windows.home)} homes, {counts}")
+    require(counts == windows.counts, f"rule 11: {windows.counts} counted, {counts} attached")
 
 
 def _check_window_rows(windows: WindowPages, seq: Sequence) -> None:

@@ -345,8 +345,11 @@ class KVCacheManager:
             self.observer.admitted(seq, len(hits))
         return seq
 
-    def commit(self, seq: Sequence, num_tokens: int) -> None:
-        """KV of tokens [0, num_tokens) is computed: its full blocks become matchable."""
+    def commit(self, seq: Sequence, num_tokens: int, reading_from: int | None = None) -> None:
+        """KV of tokens [0, num_tokens) is computed: its full blocks become matchable.
+
+        Window pages no query from ``reading_from`` on reads are given back (default: from
+        ``num_tokens``; an engine committing a chunk as it schedules it passes its start)."""
         if self.sequences.get(seq.request_id) is not seq:
             self._check_live(seq)
         if not 0 <= num_tokens <= len(seq.token_ids):
@@ -362,7 +365,9 @@ class KVCacheManager:
                 self._store_reported(seq, seq.num_stored_blocks, full)
             seq.num_stored_blocks = full
         if self.windows is not None:
-            self.windows.slide(seq)
+            self.windows.slide(
+                seq, seq.num_computed_tokens if reading_from is None else reading_from
+            )
 
     def commit_loaded(self, seq: Sequence, num_blocks: int) -> None:
         """The next ``num_blocks`` blocks after the hit were loaded from a second tier.

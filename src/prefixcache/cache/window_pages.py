@@ -40,6 +40,7 @@ class WindowPages:
         self.kept = FreeBlockQueue([])
         self.in_kept: set[int] = set()
         self.twins: dict[int, Block] = {}  # duplicate's id -> the indexed copy (``adopt``)
+        self.counts = [0] * len(windows)  # pages attached now, per window group
 
     @property
     def num_groups(self) -> int:
@@ -109,12 +110,12 @@ class WindowPages:
             if tables is not None:
                 tables[group] += [page.block_id for page in fresh]
 
-    def slide(self, seq: Sequence) -> None:
-        """Give back the pages of ``seq`` no window reads any more: the next query sits at
-        ``num_computed_tokens``. Those a follow-up at the prompt's end needs are kept."""
+    def slide(self, seq: Sequence, first_query: int) -> None:
+        """Give back the pages of ``seq`` no window reads from ``first_query`` on. Those a
+        follow-up at the prompt's end needs are kept."""
         prompt_end = seq.num_prompt_tokens // self.block_size
         for group, row in enumerate(seq.window_pages):
-            start = min(self.needed_from(group, seq.num_computed_tokens), len(row))
+            start = min(self.needed_from(group, first_query), len(row))
             first = seq.window_from[group]
             if start <= first:
                 continue
@@ -161,6 +162,7 @@ class WindowPages:
         require(pages[group] is None, f"window: {logical} already has a page in group {group}")
         pages[group] = page
         self.home[page.block_id] = (logical, group)
+        self.counts[group] += 1
 
     def acquire(self, pages: list[Block]) -> None:
         """A reference on each attached page (a hit in a window, a fork)."""
@@ -224,11 +226,12 @@ class WindowPages:
         if pages is None:
             return []
         dropped = []
-        for page in pages:
+        for group, page in enumerate(pages):
             if page is not None:
                 require(page.ref_cnt == 0, f"window: {page} held while its {logical} is evicted")
                 self._unlink(page)
                 del self.home[page.block_id]
+                self.counts[group] -= 1
                 dropped.append(page)
         return dropped
 
@@ -237,6 +240,7 @@ class WindowPages:
         logical, group = self.home.pop(page.block_id)
         pages = self.attached[logical.block_id]
         pages[group] = None
+        self.counts[group] -= 1
         if not any(pages):
             del self.attached[logical.block_id]
             self.twins.pop(logical.block_id, None)
@@ -249,6 +253,7 @@ class WindowPages:
         self.attached.clear()
         self.home.clear()
         self.twins.clear()
+        self.counts = [0] * self.num_groups
         return pages
 
     def _unlink(self, page: Block) -> None:

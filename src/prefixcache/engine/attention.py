@@ -12,7 +12,7 @@ results are merged exactly by their log-sum-exps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 
@@ -92,6 +92,7 @@ class AttentionMetadata:
     lone_table: tuple[int, ...] | None = None  # a batch of one sequence: its blocks
     block_tables: tuple[tuple[int, ...], ...] = ()
     window: int = 0  # 0: full attention; else each query sees its last `window` positions
+    group_views: tuple[AttentionMetadata, ...] = ()  # per window group of a hybrid layout
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @property
@@ -105,15 +106,16 @@ class AttentionMetadata:
         if window <= 0 or max(self.context_lens) <= window:
             return self
         if window not in self._windowed:
-            self._windowed[window] = AttentionMetadata.build(
-                self.query_lens,
-                self.context_lens,
-                [list(t) for t in self.block_tables],
-                self.block_size,
-                share_prefixes=False,
-                window=window,
+            self._windowed[window] = window_view(
+                self.query_lens, self.context_lens, self.block_tables, self.block_size, window
             )
         return self._windowed[window]
+
+    def for_group(self, group: int, window: int) -> AttentionMetadata:
+        """What a layer of KV group `group` reads and writes: group 0 (full layers, or every
+        layer of an all-full layout) this batch, windowed for a window layer; a window group
+        of a hybrid layout its own view over its own pages."""
+        return self.windowed(window) if group == 0 else self.group_views[group - 1]
 
     @classmethod
     def build(
@@ -164,6 +166,26 @@ class AttentionMetadata:
             tuple(parts.shared_prefix(seqs, n) for seqs, n in groups), parts.decode(shared=True),
             lone, tuple(map(tuple, block_tables)), window,
         )  # fmt: skip
+
+
+def window_view(
+    query_lens: list[int],
+    context_lens: list[int],
+    tables: Sequence[Sequence[int]],
+    block_size: int,
+    window: int,
+) -> AttentionMetadata:
+    """The batch as a sliding-window layer reads it: each sequence from the first block
+    any of its queries reads (the blocks before it are skipped, not gathered and masked:
+    a hybrid layout has given their pages back); the slots are the same as unshifted."""
+    contexts, shifted = [], []
+    for q, c, table in zip(query_lens, context_lens, tables, strict=True):
+        skip = max(0, c - q - window + 1) // block_size
+        contexts.append(c - skip * block_size)
+        shifted.append(list(table[skip:]))
+    return AttentionMetadata.build(
+        query_lens, contexts, shifted, block_size, share_prefixes=False, window=window
+    )
 
 
 def _validate(

@@ -19,6 +19,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_STEP_TARGET_MS = 100.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
 DEFAULT_KV_CACHE_DTYPE = "float32"
+KV_LAYOUTS = ("hybrid", "full")  # window layers keep only their window's pages, or every token
+DEFAULT_KV_LAYOUT = "hybrid"
 
 
 @dataclass(frozen=True, slots=True)

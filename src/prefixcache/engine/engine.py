@@ -22,12 +22,15 @@ from prefixcache.cache.retention import DEFAULT_SHARE, Keep
 from prefixcache.cache.validation import check_fits, check_keeps
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_KV_LAYOUT,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    ModelConfig,
 )
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.grammar import grammar_cache
+from prefixcache.engine.kv_layout import KVLayout, kv_layout
 from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.models import build_model
@@ -80,6 +83,7 @@ class EngineConfig:
     index: str = DEFAULT_INDEX
     dtype: torch.dtype = torch.float32
     kv_cache_dtype: str | None = None  # the pool's K/V: float32, bfloat16, int8; None: dtype
+    kv_layout: str = DEFAULT_KV_LAYOUT  # hybrid: window layers keep their window only; full
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
     seed: int = 0
@@ -108,14 +112,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.kv_dtype = kv_dtype(config.kv_cache_dtype) if config.kv_cache_dtype else config.dtype
         self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")  # its name
-        self.num_blocks = config.num_kv_blocks or self._blocks_for_bytes(config.kv_cache_bytes)
-        self.kv_store = KVStore(
-            model_config.num_layers,
-            self.num_blocks,
-            config.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype=self.kv_dtype,
+        self.layout = self._layout(config, model_config)
+        self.num_blocks = self._pool_pages(config)
+        self.kv_store = KVStore.for_model(
+            model_config, self.num_blocks, config.block_size, self.kv_dtype, self.layout
         )
         namespace = Namespace(
             model=model_config.name,
@@ -135,6 +135,7 @@ class LLMEngine:
             clock=config.retention_clock,
             retention_budget=config.retention_budget,
             retention_budgets=config.retention_budgets,
+            groups=self.layout.groups,
         )
         self.tier = self._open_tier(config) if config.kv_tier else None
         self.scheduler = Scheduler(
@@ -231,10 +232,29 @@ class LLMEngine:
             extra.append(("kv_cache_dtype", self.kv_cache_dtype))
         return tuple(extra)
 
+    @staticmethod
+    def _layout(config: EngineConfig, model_config: ModelConfig) -> KVLayout:
+        """The pool's KV layout; ValueError for a hybrid one with a second tier (which keeps
+        every layer of a block in one value)."""
+        layout = kv_layout(model_config, config.kv_layout)
+        if layout.groups and config.kv_tier:
+            raise ValueError(
+                "kv_tier stores every layer of a block, and this model's window layers keep "
+                "only their window (kv_layout 'hybrid'): use kv_layout 'full' with a tier"
+            )
+        return layout
+
+    def _pool_pages(self, config: EngineConfig) -> int:
+        """Pages in the pool: ``num_kv_blocks`` blocks with every group holding them (the
+        same blocks an all-full layout would fit), or what ``kv_cache_bytes`` holds."""
+        if config.num_kv_blocks:
+            return config.num_kv_blocks * self.layout.pages_per_block
+        return self._blocks_for_bytes(config.kv_cache_bytes)
+
     def _blocks_for_bytes(self, budget: int) -> int:
-        """How many KV blocks fit in ``budget`` bytes (at the pool's KV dtype)."""
+        """How many KV pages fit in ``budget`` bytes (at the pool's KV dtype and layout)."""
         per_block = KVStore.bytes_per_block(
-            self.model_config.num_layers,
+            self.layout.page_layers,
             self.config.block_size,
             self.model_config.num_kv_heads,
             self.model_config.head_dim,
@@ -328,7 +348,13 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; the model's context is "
                 f"{self.max_model_len} tokens (including at least 1 generated)"
             )
-        check_fits(len(prompt), self.config.block_size, self.num_blocks, num_generated=1)
+        check_fits(
+            len(prompt),
+            self.config.block_size,
+            self.num_blocks,
+            num_generated=1,
+            pages=self.layout.pages_per_block,
+        )
 
     def _grammar_factory(self, params: SamplingParams) -> Callable[[], GrammarState] | None:
         """Fresh matchers of the request's constraint (compiled now: ValueError if it can't)."""
@@ -389,7 +415,10 @@ class LLMEngine:
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """One forward over every scheduled token; logits only where a token is sampled."""
-        batch = ForwardBatch.build(chunks, self.config.block_size)
+        windows = self.manager.windows
+        batch = ForwardBatch.build(
+            chunks, self.config.block_size, () if windows is None else windows.windows
+        )
         started = time.perf_counter()
         try:
             with torch.inference_mode():

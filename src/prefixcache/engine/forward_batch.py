@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from prefixcache.engine.attention import AttentionMetadata
+from prefixcache.engine.attention import AttentionMetadata, window_view
 from prefixcache.engine.scheduler import ScheduledChunk
 
 
@@ -26,8 +27,13 @@ class ForwardBatch:
         return self.logit_rows.numel() > 0
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int) -> ForwardBatch:
-        """Concatenate the chunks' tokens; one logits row at the end of each sampled chunk."""
+    def build(
+        cls, chunks: list[ScheduledChunk], block_size: int, windows: Sequence[int] = ()
+    ) -> ForwardBatch:
+        """Concatenate the chunks' tokens; one logits row at the end of each sampled chunk.
+
+        ``windows``: the window groups' sizes (a hybrid layout), each read through its own
+        pages (``Sequence.window_tables``)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables, ends = [], [], [], []
@@ -43,6 +49,15 @@ class ForwardBatch:
             if chunk.needs_logits:
                 ends.append(len(input_ids) - 1)
         metadata = AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+        if windows:
+            seqs = [chunk.branch.seq for chunk in chunks]
+            views = tuple(
+                window_view(
+                    query_lens, context_lens, [s.window_tables[g] for s in seqs], block_size, w
+                )
+                for g, w in enumerate(windows)
+            )
+            metadata = replace(metadata, group_views=views)
         return cls(
             torch.tensor(input_ids),
             torch.tensor(positions),

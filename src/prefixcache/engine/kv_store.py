@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from prefixcache.engine.config import KV_CACHE_DTYPES, ModelConfig
+from prefixcache.engine.kv_layout import KVLayout
 from prefixcache.engine.kv_quant import (
     SCALE_BYTES,
     dequantize_codes,
@@ -21,10 +22,15 @@ from prefixcache.engine.kv_quant import (
 KV_DTYPES: dict[str, torch.dtype] = dict(
     zip(KV_CACHE_DTYPES, (torch.float32, torch.bfloat16, torch.int8), strict=True)
 )
+MEMO_MAPPINGS = 16  # slot mappings whose rows are remembered: one per group of a forward
 
 
 class KVStore:
     """Per-layer `[num_blocks, 2, block_size, num_kv_heads, row]` tensors (0 = K, 1 = V).
+
+    With a hybrid layout (`kv_layout.py`) a page holds fewer layers than the model has:
+    layers of different groups share a physical tensor (`slots`), each at its own group's
+    page ids, so `layers[l]` is physical tensor `slots[l]`.
 
     A token at position p of a sequence lives at slot `block_table[p // block_size] *
     block_size + p % block_size`; `write` takes those slots, attention reads whole blocks.
@@ -40,8 +46,13 @@ class KVStore:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        slots: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
     ) -> None:
         assert num_layers > 0 and num_blocks > 0 and block_size > 0
+        slots = list(range(num_layers)) if slots is None else list(slots)
+        self.groups = [0] * num_layers if groups is None else list(groups)  # per layer
+        assert len(slots) == num_layers and set(slots) == set(range(max(slots) + 1))
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -51,19 +62,31 @@ class KVStore:
         self.storage_dtype = torch.uint8 if dtype == torch.int8 else dtype
         self.row_width = packed_width(head_dim) if dtype == torch.int8 else head_dim
         shape = (num_blocks, 2, block_size, num_kv_heads, self.row_width)
-        self.layers: list[torch.Tensor] = [
-            _zeros(shape, self.storage_dtype) for _ in range(num_layers)
+        self.pages: list[torch.Tensor] = [  # the physical tensors: a page's layers
+            _zeros(shape, self.storage_dtype) for _ in range(max(slots) + 1)
         ]
-        self._memo_slots: torch.Tensor | None = None
-        self._memo_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layers: list[torch.Tensor] = [self.pages[slot] for slot in slots]
+        self._memo: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        layout: KVLayout | None = None,
     ) -> KVStore:
-        """A store shaped for `config`'s layers and KV heads."""
+        """A store shaped for `config`'s layers and KV heads, and `layout`'s pages."""
         return cls(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype
+            config.num_layers,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype,
+            None if layout is None else layout.slot,
+            None if layout is None else layout.group,
         )
 
     @staticmethod
@@ -79,31 +102,36 @@ class KVStore:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached token takes across all layers, K and V (scales included)."""
+        """Bytes one token takes in every layer, K and V (scales included): all-full."""
         return self.num_layers * 2 * self.num_kv_heads * row_bytes(self.head_dim, self.dtype)
 
     @property
+    def bytes_per_page_token(self) -> int:
+        """Bytes one token takes in one page (a group's layers), K and V."""
+        return len(self.pages) * 2 * self.num_kv_heads * row_bytes(self.head_dim, self.dtype)
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block across all layers: `[num_layers, 2, block_size, kv_heads, row]`."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_width)
+        """One page across its layers: `[page layers, 2, block_size, kv_heads, row]`."""
+        return (len(self.pages), 2, self.block_size, self.num_kv_heads, self.row_width)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of the given blocks, `[n, *block_shape]` (safe after the slots are reused)."""
         ids = torch.tensor(list(block_ids), dtype=torch.long)
-        return torch.stack([layer.index_select(0, ids) for layer in self.layers], dim=1)
+        return torch.stack([page.index_select(0, ids) for page in self.pages], dim=1)
 
     def write_block(self, block_id: int, payload: memoryview | bytes) -> None:
         """Fill one block in every layer from `block_shape` values in this store's dtype."""
         with warnings.catch_warnings():  # a read-only buffer is fine: it is only copied from
             warnings.simplefilter("ignore", UserWarning)
             values = torch.frombuffer(payload, dtype=self.storage_dtype).view(self.block_shape)
-        for layer, value in zip(self.layers, values, strict=True):
-            layer[block_id].copy_(value)
+        for page, value in zip(self.pages, values, strict=True):
+            page[block_id].copy_(value)
 
     @property
     def nbytes(self) -> int:
         """Total bytes held by the store."""
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        return sum(t.numel() * t.element_size() for t in self.pages)
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -139,16 +167,20 @@ class KVStore:
     def _rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the flattened `[num_blocks * 2 * block_size]` view that hold K and V.
 
-        Memoized on the tensor object (every layer of a forward passes the same mapping), so
-        a caller must not change a mapping in place between writes.
+        Memoized on the tensor object (every layer of a group passes the same mapping in a
+        forward), so a caller must not change a mapping in place between writes.
         """
-        if self._memo_slots is not slot_mapping or self._memo_rows is None:
-            block = slot_mapping.div(self.block_size, rounding_mode="floor")
-            offset = slot_mapping - block * self.block_size
-            k_rows = block * (2 * self.block_size) + offset
-            self._memo_rows = (k_rows, k_rows + self.block_size)
-            self._memo_slots = slot_mapping
-        return self._memo_rows
+        memo = self._memo.get(id(slot_mapping))
+        if memo is not None and memo[0] is slot_mapping:
+            return memo[1]
+        block = slot_mapping.div(self.block_size, rounding_mode="floor")
+        offset = slot_mapping - block * self.block_size
+        k_rows = block * (2 * self.block_size) + offset
+        rows = (k_rows, k_rows + self.block_size)
+        if len(self._memo) >= MEMO_MAPPINGS:
+            self._memo.clear()
+        self._memo[id(slot_mapping)] = (slot_mapping, rows)
+        return rows
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each `src` block onto its `dst` in every layer (copy-on-write).
@@ -159,7 +191,7 @@ class KVStore:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        for cache in self.layers:
+        for cache in self.pages:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
@@ -167,7 +199,7 @@ class KVStore:
         if not block_ids:
             return
         ids = torch.tensor(list(block_ids), dtype=torch.long)
-        for cache in self.layers:
+        for cache in self.pages:
             cache.index_fill_(0, ids, 0.0)
 
 

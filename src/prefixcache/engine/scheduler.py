@@ -322,7 +322,7 @@ class Scheduler:
         assert seq is not None
         start = seq.num_computed_tokens
         count = min(seq.num_tokens - start, budget)
-        self.manager.commit(seq, start + count)
+        self.manager.commit(seq, start + count, reading_from=start)
         if start + count == seq.num_prompt_tokens and branch.request.retention:
             self._retain(branch)
         return ScheduledChunk(branch, start, count)

@@ -46,6 +46,16 @@ class RetentionCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowCounters:
+    """A hybrid layout's window groups: counters (cumulative) and bytes now."""
+
+    pages_released: int  # pages given back mid-run or at the end, still matchable
+    pages_evicted: int  # free pages taken for reuse (their block stays cached)
+    lost_tokens: int  # prompt tokens the full group held but the windows did not
+    bytes_per_cached_token: tuple[tuple[str, float], ...]  # (group, bytes) over cached tokens
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """Pool, cache counters, queues, owners and tier at one instant (numbers only)."""
 
@@ -54,6 +64,8 @@ class EngineSnapshot:
     num_blocks: int
     kv_cache_dtype: str  # what the pool stores K/V as
     kv_bytes_per_token: int  # one cached token across all layers, K and V (int8: scales too)
+    kv_layout: str  # hybrid (window groups keep their window only) or full
+    windows: WindowCounters | None  # a hybrid layout's
     enable_prefix_caching: bool
     num_free_blocks: int
     usage: float  # share of blocks held by live requests
@@ -90,6 +102,8 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_blocks=manager.num_blocks,
         kv_cache_dtype=engine.kv_cache_dtype,
         kv_bytes_per_token=engine.kv_store.bytes_per_token,
+        kv_layout=engine.layout.name,
+        windows=window_counters(engine),
         enable_prefix_caching=engine.config.enable_prefix_caching,
         num_free_blocks=manager.num_free_blocks,
         usage=manager.usage,
@@ -141,4 +155,24 @@ def tier_snapshot(tier: TierLink) -> TierSnapshot:
         tuple(sorted(rejected_files.items())),
         tier.timeouts,
         client.breaker_state,
+    )
+
+
+def window_counters(engine: LLMEngine) -> WindowCounters | None:
+    """The window groups' numbers (None: an all-full layout): per group, the bytes its
+    pages take over the cached tokens (the full group: every cached token has its page)."""
+    windows, stats = engine.manager.windows, engine.manager.stats
+    if windows is None:
+        return None
+    page_token = engine.kv_store.bytes_per_page_token
+    cached = len(engine.manager.pool.cached) * engine.manager.block_size
+    per_group = [("full", float(page_token))] + [
+        (f"window{group + 1}", page_token * count * windows.block_size / cached if cached else 0.0)
+        for group, count in enumerate(windows.counts)
+    ]
+    return WindowCounters(
+        stats.window_pages_released,
+        stats.window_pages_evicted,
+        stats.window_lost_tokens,
+        tuple(per_group),
     )

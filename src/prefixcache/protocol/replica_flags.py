@@ -12,6 +12,7 @@ from prefixcache.argtypes import non_negative_int, unit_share
 REPLICA_OPTIONS: tuple[tuple[str, dict], ...] = (
     ("--kv-cache-bytes", {"type": int, "help": "each replica's KV pool"}),
     ("--kv-cache-dtype", {"metavar": "DTYPE", "help": "each replica's `serve --kv-cache-dtype`"}),
+    ("--kv-layout", {"metavar": "LAYOUT", "help": "each replica's `serve --kv-layout`"}),
     ("--retention-budget", {"type": unit_share, "help": "each replica's default retention share"}),
     (
         "--step-target-ms",

@@ -17,10 +17,12 @@ from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_KV_CACHE_DTYPE,
+    DEFAULT_KV_LAYOUT,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_STEP_TARGET_MS,
     KV_CACHE_DTYPES,
+    KV_LAYOUTS,
 )
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.access_log import add_health_log_flag, quiet_health_checks
@@ -57,7 +59,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     size = serve.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-blocks", type=positive_int, help="KV pool size in blocks")
+    size.add_argument(
+        "--kv-cache-blocks",
+        type=positive_int,
+        help="KV pool size in blocks that every layer holds (a hybrid layout's pool gets the "
+        "pages those take: 1 + window groups each)",
+    )
     size.add_argument(
         "--kv-cache-bytes",
         type=positive_int,
@@ -70,6 +77,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         choices=KV_CACHE_DTYPES,
         help="what the KV pool stores K/V as: bfloat16 holds 2x the tokens of float32 in "
         "the same bytes, int8 (per-token, per-head scales) 3.8x (default %(default)s)",
+    )
+    serve.add_argument(
+        "--kv-layout",
+        default=DEFAULT_KV_LAYOUT,
+        choices=KV_LAYOUTS,
+        help="hybrid: a model's sliding-window layers keep only their window's K/V (Gemma 3: "
+        "15 of 18 layers), full: every layer keeps every token (default %(default)s)",
     )
     serve.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
     serve.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
@@ -241,6 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 num_kv_blocks=args.kv_cache_blocks,
                 kv_cache_bytes=args.kv_cache_bytes,
                 kv_cache_dtype=args.kv_cache_dtype,
+                kv_layout=args.kv_layout,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 step_target_ms=args.step_target_ms or None,
@@ -295,7 +310,8 @@ def _serve_until_stopped(
     print(started_banner(tenants, name, args.host, args.port), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens, "
-        f"{engine.kv_cache_dtype} ({engine.kv_store.bytes_per_token:,} bytes a token); "
+        f"{engine.kv_cache_dtype} ({engine.kv_store.bytes_per_token:,} bytes a token in every "
+        f"layer); {engine.layout.describe(engine.kv_store.bytes_per_page_token)}; "
         f"prefix caching {'off' if args.no_prefix_caching else 'on'}"
         f"{'; zero on evict' if args.zero_on_evict else ''}",
         flush=True,

@@ -16,7 +16,7 @@ from prometheus_client.core import (
 
 from prefixcache.cache.owners import OwnerUsage
 from prefixcache.engine.request import RequestOutput
-from prefixcache.engine.snapshot import EngineSnapshot, TierSnapshot
+from prefixcache.engine.snapshot import EngineSnapshot, TierSnapshot, WindowCounters
 
 TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -112,10 +112,40 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     hits.add_metric(["tier"], snapshot.tier_hits)
     yield hits
     yield from owner_metrics(snapshot.owners)
+    if snapshot.windows is not None:
+        yield from window_metrics(snapshot.windows)
     yield from step_metrics(snapshot)
     yield from retention_metrics(snapshot)
     if snapshot.tier is not None:
         yield from tier_metrics(snapshot.tier)
+
+
+def window_metrics(windows: WindowCounters) -> Iterator[Metric]:
+    """A hybrid layout's window groups: pages given back and evicted, hits they lost, and
+    the bytes each group takes per cached token."""
+    for name, documentation, value in (
+        (
+            "kv_window_pages_released",
+            "Window pages given back, still cached",
+            windows.pages_released,
+        ),
+        ("kv_window_pages_evicted", "Free window pages reused (block kept)", windows.pages_evicted),
+        (
+            "kv_window_lost_tokens",
+            "Prompt tokens the full layers held but the window layers did not (recomputed)",
+            windows.lost_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
+    per_group = GaugeMetricFamily(
+        "prefixcache_kv_bytes_per_cached_token",
+        "KV bytes per cached token, by group: the full layers' page, each window group's pages "
+        "over every cached token (they keep only their window)",
+        labels=["group"],
+    )
+    for group, value in windows.bytes_per_cached_token:
+        per_group.add_metric([group], value)
+    yield per_group
 
 
 DEFAULT_OWNER_LABEL = "default"  # requests that named no tenant (library use)

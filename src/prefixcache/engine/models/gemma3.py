@@ -3,7 +3,8 @@ embedding, and sliding-window attention on 5 of every 6 layers with its own RoPE
 
 The GGUF stores each RMSNorm's multiplier `1 + w` (llama.cpp's converter adds the 1), and
 this model multiplies by it as stored. Window layers attend to the last `sliding_window`
-positions (`AttentionMetadata.windowed`); every layer still keeps its K/V in the pool.
+positions (`AttentionMetadata.for_group`); in a hybrid KV layout (`kv_layout.py`) a window
+layer keeps only its window's K/V, in its group's pages.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class Gemma3Layer(nn.Module):
         q = apply_rope(rms_norm(qk[:, : self.num_heads], self.q_norm, self.eps), *rope)
         k = apply_rope(rms_norm(qk[:, self.num_heads :], self.k_norm, self.eps), *rope)
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
-        k, v = kv_store.write(layer, k, v, metadata.slot_mapping)
-        seen = metadata.windowed(self.window)
+        seen = metadata.for_group(kv_store.groups[layer], self.window)
+        k, v = kv_store.write(layer, k, v, seen.slot_mapping)
         out = paged_attention(q.contiguous(), kv_store.layers[layer], seen, self.scale, k, v)
         return out.reshape(num_tokens, -1)
 
