@@ -168,3 +168,42 @@ def test_base_model_serves_completions_and_refuses_chat_naming_the_flag(served: 
         assert "no chat template" in error["message"], path
         assert "--chat-template FILE" in error["message"], path
         assert ("type" in reply.json()) == (path == "messages")  # Anthropic's shape there
+
+
+def test_hybrid_layout_keeps_windows_only_and_decodes_as_the_full_layout(gemma, text_ids):
+    """The hybrid pool (the default) against the all-full one, caching off: a document, a
+    follow-up that hits it whole, then pressure evicts the oldest window pages, so a prompt
+    whose full-layer hit lies inside them is a window-caused miss: recomputed, never wrong,
+    and its recomputed window is kept for the next one (no churn)."""
+    hybrid = LLMEngine(gemma, EngineConfig(num_kv_blocks=60))
+    full = LLMEngine(gemma, EngineConfig(num_kv_blocks=60, kv_layout="full"))
+    full.manager.enable_caching = False
+    assert hybrid.layout.pages_per_block == 6  # 1 full + 5 window groups of 3 layers
+    assert hybrid.kv_store.nbytes == full.kv_store.nbytes  # blocks every layer holds
+    question = gemma.tokenizer.encode("\nQuestion: which rule is first?")
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    def answer(engine: LLMEngine, name: str, ids: list[int]) -> list[int]:
+        engine.add_request(name, ids, params)
+        engine.manager.check_invariants()
+        return run_to_completion(engine)[name].outputs[0].token_ids
+
+    stats = hybrid.manager.stats
+    for name, ids in (("doc", text_ids), ("follow", text_ids + question)):
+        assert answer(hybrid, name, ids) == answer(full, name, ids)
+    assert stats.hits >= 688 and stats.window_pages_released > 0
+    windows = hybrid.manager.windows
+    assert windows is not None and windows.stale.size > 0  # out of the window, still cached
+    spare = hybrid.manager.pool.empty_queue.size + 10  # beyond the empty pages: stale ones
+    pressure = list(range(5000, 5000 + 16 * (spare // 6 + 1)))
+    assert answer(hybrid, "pressure", pressure) == answer(full, "pressure", pressure)
+    assert stats.window_pages_evicted > 0
+    inside = text_ids[:400] + question
+    lost = stats.window_lost_tokens
+    assert answer(hybrid, "inside", inside) == answer(full, "inside", inside)
+    assert stats.window_lost_tokens > lost  # its full-layer hit, lost to the windows
+    hits = stats.hits
+    assert answer(hybrid, "again", inside) == answer(full, "again", inside)
+    assert stats.hits - hits >= 400 - 16  # the recomputed window was kept
+    assert_pool_clean(hybrid)
+    assert_pool_clean(full)
