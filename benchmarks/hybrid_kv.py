@@ -15,11 +15,14 @@ none): (full, float32), (hybrid, float32), (hybrid, bfloat16), (hybrid, int8). F
 the hit rate of later turns (turns >= 2: cached prompt tokens / prompt tokens, from
 `usage.prompt_tokens_details.cached_tokens`), their TTFT p50, the wall time, decode tok/s
 (answer tokens after the first over their stream time), and the server's RSS (VmRSS of it
-and its children, read after the last turn).
+and its children, read after the last turn); for a hybrid pool, its window counters after
+the chats from /metrics (pages released and evicted, prompt tokens recomputed for the
+windows, the pool's bytes per cached token summed over its groups).
 
 KV bytes per cached token at 8k context: after the chats, one `--probe-tokens` prompt on
-the idle server; while it decodes, `/metrics` gives the pool's pages held (kv_blocks -
-kv_free_blocks: only the probe is live), times a page's bytes (its layers from the layout:
+the idle server (if it fits the budget); halfway through its 16 tokens out, `/metrics` gives
+the pool's pages held (kv_blocks - kv_free_blocks: only the probe is live), times a page's
+bytes (its layers from the layout:
 every layer for `full`, the full-attention layers' count for `hybrid`), over the context.
 Printed beside the analytical value (all-full: layers x 2 x KV heads x row bytes, an int8
 row head_dim + 4; hybrid: the full layers for every token, the window groups' layers for
@@ -59,8 +62,7 @@ from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.engine.kv_store import KV_DTYPES, row_bytes
 
 CONFIGS = (("full", "float32"), ("hybrid", "float32"), ("hybrid", "bfloat16"), ("hybrid", "int8"))
-LAYOUT_FLAG = False  # until `serve --kv-layout` exists: every configuration runs all-full
-PROBE_OUT = 16  # tokens the probe decodes while /metrics is read
+PROBE_OUT = 16  # tokens the probe decodes; /metrics is read at the half (its windows slid)
 GOALS = {"float32": 0.3, "bfloat16": 0.15, "int8": 0.08}  # hybrid over all-full float32
 
 
@@ -253,22 +255,37 @@ def _parents() -> dict[int, int]:
 
 
 def metric(page: str, name: str) -> float:
-    found = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", page, re.MULTILINE)
+    """The first sample of `name` (a counter's `_total` too) in a /metrics page."""
+    found = re.search(rf"^{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", page, re.MULTILINE)
     if found is None:
         raise RuntimeError(f"/metrics has no {name}")
     return float(found.group(1))
 
 
+def window_state(server: Server) -> dict | None:
+    """A hybrid pool's window counters and its bytes per cached token (the sum of its
+    groups'), from /metrics; None for an all-full pool."""
+    page = httpx.get(f"{server.url}/metrics", timeout=30).text
+    groups = re.findall(r"^prefixcache_kv_bytes_per_cached_token{[^}]*} (\S+)$", page, re.M)
+    if not groups:
+        return None
+    names = ("released", "evicted")
+    state = {n: int(metric(page, f"prefixcache_kv_window_pages_{n}")) for n in names}
+    state["lost"] = int(metric(page, "prefixcache_kv_window_lost_tokens"))
+    return {**state, "per_token": sum(float(value) for value in groups)}
+
+
 def probe(server: Server, prompt: list[int], page_bytes: int, budget: int) -> float:
-    """Bytes a cached token: the pages a lone `prompt` holds while it decodes.
+    """Bytes a cached token: the pages a lone `prompt` holds mid-decode, over its length.
     RuntimeError if the pool's size says its pages are not `page_bytes` (another layout)."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": PROBE_OUT, "temperature": 0,
             "stream": True, "ignore_eos": True, "min_tokens": PROBE_OUT}  # fmt: skip
-    held = None
+    held, chunks = None, 0
     url = f"{server.url}/v1/completions"
     with httpx.Client(timeout=1800) as client, client.stream("POST", url, json=body) as reply:
         for line in reply.iter_lines():
-            if held is None and line.startswith("data: ") and line != "data: [DONE]":
+            chunks += line.startswith("data: ") and line != "data: [DONE]"
+            if held is None and chunks == PROBE_OUT // 2:
                 page = client.get(f"{server.url}/metrics").text
                 pages = metric(page, "prefixcache_kv_blocks")
                 held = pages - metric(page, "prefixcache_kv_free_blocks")
@@ -282,11 +299,12 @@ def probe(server: Server, prompt: list[int], page_bytes: int, budget: int) -> fl
 def measure_ours(setup: dict, layout: str, dtype: str) -> dict:
     shape, budget = setup["shape"], setup["budget"]
     extra = ["--kv-cache-bytes", str(budget), "--kv-cache-dtype", dtype]
-    extra += ["--kv-layout", layout] if LAYOUT_FLAG else []
+    extra += ["--kv-layout", layout]
     start = our_server(setup["model"], setup["threads"], extra=tuple(extra), tier=False)
     with Server(Peer(start)) as server:
         result = run_workload(server, setup["plan"], setup["clients"])
         result["rss"] = rss_bytes(server.process.pid)
+        result["windows"] = window_state(server)
         result["per_token"], result["probe_note"] = None, "no probe"
         tokens = len(setup["probe"])
         if tokens and (tokens + PROBE_OUT) * shape.full_bytes(dtype) > budget:
@@ -298,6 +316,14 @@ def measure_ours(setup: dict, layout: str, dtype: str) -> dict:
             except (RuntimeError, httpx.HTTPError) as error:
                 result["probe_note"] = f"probe failed: {error}"
     return result
+
+
+def window_line(name: str, windows: dict) -> str:
+    return (
+        f"    {name}: after the chats, window pages released {windows['released']:,}, "
+        f"evicted {windows['evicted']:,}; prompt tokens recomputed for the windows "
+        f"{windows['lost']:,}; pool bytes per cached token {windows['per_token']:,.0f} B"
+    )
 
 
 def measure_llama(setup: dict, swa_full: bool) -> dict:
@@ -448,8 +474,10 @@ def main() -> None:
              "context": context, "cache_ram": args.llama_cache_ram}  # fmt: skip
     ours = {}
     for layout, dtype in CONFIGS:
-        ours[(layout, dtype)] = measure_ours(setup, layout, dtype)
-        print(row(f"prefixcache {layout} {dtype}", ours[(layout, dtype)]), flush=True)
+        result = ours[(layout, dtype)] = measure_ours(setup, layout, dtype)
+        print(row(f"prefixcache {layout} {dtype}", result), flush=True)
+        if result["windows"]:
+            print(window_line(f"{layout} {dtype}", result["windows"]), flush=True)
     peers = {}
     if not args.no_peer:
         print(f"llama-server: -c {context:,} ({context_why}), -np {args.clients}")
