@@ -108,3 +108,4 @@ bench-peers: kernels $(PEERS_STAMP)
 	$(BIN)/python benchmarks/llama_server.py
 	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS)/bin/python
 	$(BIN)/python benchmarks/http_scheduling.py --targets 100,500
+	$(BIN)/python benchmarks/hybrid_kv.py

@@ -87,27 +87,40 @@ class Peer:
 
 
 def our_server(
-    model: Path, threads: int, caching: bool = True, extra: tuple[str, ...] = ()
+    model: Path,
+    threads: int,
+    caching: bool = True,
+    extra: tuple[str, ...] = (),
+    tier: bool = True,
 ) -> Starter:
-    """`make serve`'s command line (a disk tier in a temporary folder) on `port`, and
-    ``extra`` flags."""
+    """`make serve`'s command line (a disk tier in a temporary folder, unless not ``tier``)
+    on `port`, and ``extra`` flags."""
 
     def start(port: int) -> subprocess.Popen:
-        tier = tempfile.mkdtemp(prefix="peers-tier-")
         command = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1"]
-        command += ["--model", str(model)]
-        command += ["--port", str(port), "--threads", str(threads), "--kv-tier", f"disk:{tier}"]
+        command += ["--model", str(model), "--port", str(port), "--threads", str(threads)]
+        if tier:
+            command += ["--kv-tier", f"disk:{tempfile.mkdtemp(prefix='peers-tier-')}"]
         command += [*([] if caching else ["--no-prefix-caching"]), *extra]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     return start
 
 
-def llama_server(binary: Path, model: Path, threads: int) -> Starter:
+def llama_server(
+    binary: Path,
+    model: Path,
+    threads: int,
+    context: int = 36864,
+    slots: int = 16,
+    extra: tuple[str, ...] = (),
+) -> Starter:
+    """llama-server with `slots` slots sharing `context` tokens, and ``extra`` flags."""
+
     def start(port: int) -> subprocess.Popen:
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-        command += ["-t", str(threads), "-tb", str(threads), "-c", "36864", "-np", "16"]
-        command += ["--no-repack"]
+        command += ["-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", str(slots)]
+        command += ["--no-repack", *extra]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     return start
