@@ -226,6 +226,10 @@ def test_simulate_without_kv_options_is_unchanged(tmp_path, capsys):
             "--kv-cache-bytes needs a token's size",
         ),
         (["--kv-cache-bytes", "100", *SMALL_FLAGS], "--kv-cache-bytes 100 is below one block"),
+        (
+            ["--kv-cache-bytes", "25600", *SMALL_FLAGS],
+            "largest request (23 blocks): --kv-cache-bytes 25,600 holds 6 blocks of every layer",
+        ),
         (["--window-groups", "2"], "--window-groups needs --window TOKENS"),
         (["--capacity", "80", "--kv-cache-bytes", "10000000", *SMALL_FLAGS], "not both"),
         (["--capacity", "80", "--replicas", "2", *SMALL_FLAGS], "--replicas replays all-full"),

@@ -170,7 +170,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from prefixcache.sim import report as reporting
     from prefixcache.sim.kv_options import capacities_of, kv_model_of
     from prefixcache.sim.recommend import format_recommendations, sweep_plan
-    from prefixcache.sim.replay import block_tokens, check_capacity, check_windows
+    from prefixcache.sim.replay import block_tokens, check_windows
     from prefixcache.sim.sweep import run_sweep
     from prefixcache.sim.traces import load_trace, split_tenants
 
@@ -182,7 +182,7 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = split_tenants(trace, args.tenants, args.block_size)
     args.capacity = capacities_of(args, kv, block_tokens(trace, args.block_size))
     check_windows(trace, kv)
-    check_capacity(trace, min(args.capacity), args.block_size)
+    _check_capacity(trace, args)
     if args.replicas:
         if kv is not None and kv.windowed:
             raise ValueError(
@@ -213,6 +213,21 @@ def _simulate(args: argparse.Namespace) -> int:
     _retention(trace, report, args, kv)
     _write_outputs(report, args)
     return 0 if reporting.same_hits(report) else 1
+
+
+def _check_capacity(trace: Trace, args: argparse.Namespace) -> None:
+    """ValueError unless every prompt fits the smallest capacity (naming its bytes if given)."""
+    from prefixcache.sim.replay import check_capacity
+
+    try:
+        check_capacity(trace, min(args.capacity), args.block_size)
+    except ValueError as error:
+        if not args.kv_cache_bytes:
+            raise
+        budget = min(args.kv_cache_bytes)
+        raise ValueError(
+            f"{error}: --kv-cache-bytes {budget:,} holds {min(args.capacity)} blocks of every layer"
+        ) from None
 
 
 def _fairness(
