@@ -250,3 +250,18 @@ def test_windows_on_a_mooncake_trace_give_one_line(tmp_path, capsys):
     assert simulate(str(path), "--capacity", "8", "--quiet", "--window", "512") == 2
     err = capsys.readouterr().err
     assert "--window needs a trace of token ids" in err and "(mooncake) has block hash ids" in err
+
+
+def test_fair_pools_retention_and_recommend_replay_the_layout_too(tmp_path, capsys):
+    """The tenant, retention and --recommend replays take the same window groups: the pool
+    returns whole after each (``_finish`` checks), and retention still saves hits."""
+    trace = write_trace(tmp_path / "talks.jsonl")
+    extra = ["--tenants", "2", "--retention-ttl", "300", "--recommend", "--out"]
+    args = ["--capacity", "80", "--quiet", "--policy", "lru", *SMALL_FLAGS, *extra]
+    assert simulate(str(trace), *args, str(tmp_path / "r.json")) == 0
+    out = capsys.readouterr().out
+    assert "tenant fairness" in out and "recommended eviction policy at 80 blocks" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert {run["layout"] for run in data["results"] + data["retention"]} == {"hybrid"}
+    assert all(run["window_pages_released"] > 0 for run in data["retention"])
+    assert data["retention"][1]["retention_saved_hits"] > 0
