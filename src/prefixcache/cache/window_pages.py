@@ -50,6 +50,13 @@ class WindowPages:
         """Free pages still attached (both queues)."""
         return self.stale.size + self.kept.size
 
+    def bytes_per_cached_token(self, page_token_bytes: int, cached_blocks: int) -> list[float]:
+        """Per window group, its attached pages' bytes over every cached token
+        (``page_token_bytes``: one token in one page; 0.0 with nothing cached)."""
+        tokens = cached_blocks * self.block_size
+        return [page_token_bytes * n * self.block_size / tokens if tokens else 0.0
+                for n in self.counts]  # fmt: skip
+
     def free_pages(self) -> Iterator[Block]:
         yield from self.stale
         yield from self.kept

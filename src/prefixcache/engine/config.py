@@ -19,6 +19,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_STEP_TARGET_MS = 100.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
 DEFAULT_KV_CACHE_DTYPE = "float32"
+KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}  # bytes of one K or V value
+KV_SCALE_BYTES = 4  # an int8 row's fp32 scale, after its codes (engine/kv_quant.py)
 KV_LAYOUTS = ("hybrid", "full")  # window layers keep only their window's pages, or every token
 DEFAULT_KV_LAYOUT = "hybrid"
 
@@ -73,3 +75,14 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+
+def kv_row_bytes(head_dim: int, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K (or V) for one KV head at a `--kv-cache-dtype` (int8: its scale
+    too), without torch: what `kv_store.row_bytes` gives, for the simulator."""
+    if kv_cache_dtype not in KV_VALUE_BYTES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    scale = KV_SCALE_BYTES if kv_cache_dtype == "int8" else 0
+    return head_dim * KV_VALUE_BYTES[kv_cache_dtype] + scale

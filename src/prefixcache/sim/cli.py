@@ -16,14 +16,14 @@ from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import INDEX_NAMES
 from prefixcache.cache.policies import POLICY_NAMES
+from prefixcache.sim.kv_options import DEFAULT_CAPACITIES, add_kv_options
 from prefixcache.sim.replay import Progress
 from prefixcache.sim.traces import TRACE_FORMATS
 
 if TYPE_CHECKING:
+    from prefixcache.sim.kv_model import KVModel
     from prefixcache.sim.sweep import SweepReport
     from prefixcache.sim.traces import Trace
-
-DEFAULT_CAPACITIES = [1000, 5000, 20000]
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -49,6 +49,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     _add_tenant_options(parser)
     _add_retention_options(parser)
     _add_cluster_options(parser)
+    add_kv_options(parser)
     return parser
 
 
@@ -130,8 +131,8 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
     """What to replay: capacities, policies, indexes, trace format and block size."""
     parser.add_argument(
-        "--capacity", type=positive_int, nargs="+", default=DEFAULT_CAPACITIES,
-        help="pool sizes in blocks (default: %(default)s)",
+        "--capacity", type=positive_int, nargs="+",
+        help=f"pool sizes in blocks every layer holds (default: {DEFAULT_CAPACITIES})",
     )  # fmt: skip
     parser.add_argument(
         "--policy", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES),
@@ -167,18 +168,26 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from prefixcache.sim import report as reporting
+    from prefixcache.sim.kv_options import capacities_of, kv_model_of
     from prefixcache.sim.recommend import format_recommendations, sweep_plan
-    from prefixcache.sim.replay import check_capacity
+    from prefixcache.sim.replay import block_tokens, check_windows
     from prefixcache.sim.sweep import run_sweep
     from prefixcache.sim.traces import load_trace, split_tenants
 
     if args.out and not args.out.endswith((".json", ".csv")):
         raise ValueError(f"--out {args.out}: the suffix must be .json or .csv")
+    kv = kv_model_of(args)
     trace = load_trace(args.trace, args.trace_format, args.block_size)
     if args.tenants:
         trace = split_tenants(trace, args.tenants, args.block_size)
-    check_capacity(trace, min(args.capacity), args.block_size)
+    args.capacity = capacities_of(args, kv, block_tokens(trace, args.block_size))
+    check_windows(trace, kv)
+    _check_capacity(trace, args)
     if args.replicas:
+        if kv is not None and kv.windowed:
+            raise ValueError(
+                "--replicas replays all-full caches: drop --window (or --kv-layout full)"
+            )
         from prefixcache.sim.cluster_report import run_cluster_simulation
 
         return run_cluster_simulation(trace, args)
@@ -193,17 +202,37 @@ def _simulate(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             optimum=not args.no_optimum,
             progress=progress,
+            kv=kv,
         )
     print(reporting.format_report(report))
+    if kv is not None:
+        print(reporting.format_layout(report, kv))
     if args.recommend:
         print(format_recommendations(report, args.capacity, args.index[0]))
-    _fairness(trace, report, args)
-    _retention(trace, report, args)
+    _fairness(trace, report, args, kv)
+    _retention(trace, report, args, kv)
     _write_outputs(report, args)
     return 0 if reporting.same_hits(report) else 1
 
 
-def _fairness(trace: Trace, report: SweepReport, args: argparse.Namespace) -> None:
+def _check_capacity(trace: Trace, args: argparse.Namespace) -> None:
+    """ValueError unless every prompt fits the smallest capacity (naming its bytes if given)."""
+    from prefixcache.sim.replay import check_capacity
+
+    try:
+        check_capacity(trace, min(args.capacity), args.block_size)
+    except ValueError as error:
+        if not args.kv_cache_bytes:
+            raise
+        budget = min(args.kv_cache_bytes)
+        raise ValueError(
+            f"{error}: --kv-cache-bytes {budget:,} holds {min(args.capacity)} blocks of every layer"
+        ) from None
+
+
+def _fairness(
+    trace: Trace, report: SweepReport, args: argparse.Namespace, kv: KVModel | None
+) -> None:
     """With 2+ tenants: each --capacity and policy through a fair pool; the per-tenant table."""
     from prefixcache.cache.owners import check_shares
     from prefixcache.sim.fairness import format_fairness, run_fairness, tenants_of
@@ -218,12 +247,16 @@ def _fairness(trace: Trace, report: SweepReport, args: argparse.Namespace) -> No
     shared = report.restricted(list(args.capacity))
     total = len(trace.requests) * len(shared.results)
     with progress_bar(total, args.quiet) as progress:
-        rows = run_fairness(trace, shared, shares, block_size=args.block_size, progress=progress)
+        rows = run_fairness(
+            trace, shared, shares, block_size=args.block_size, progress=progress, kv=kv
+        )
     print(format_fairness(rows, tenants, shares))
     report.fairness = [row.as_dict() for row in rows]
 
 
-def _retention(trace: Trace, report: SweepReport, args: argparse.Namespace) -> None:
+def _retention(
+    trace: Trace, report: SweepReport, args: argparse.Namespace, kv: KVModel | None
+) -> None:
     """With --retention-ttl: each --capacity x TTL x budget, and the retention table."""
     from prefixcache.sim import report as reporting
     from prefixcache.sim.sweep import run_retention_sweep
@@ -243,6 +276,7 @@ def _retention(trace: Trace, report: SweepReport, args: argparse.Namespace) -> N
             prefixes,
             block_size=args.block_size,
             progress=progress,
+            kv=kv,
         )
     print(reporting.format_retention(report.retention))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from prefixcache.sim.kv_model import KVModel
 from prefixcache.sim.replay import Progress, ReplayResult, replay
 from prefixcache.sim.sweep import SweepReport
 from prefixcache.sim.traces import Trace
@@ -63,6 +64,7 @@ def run_fairness(
     *,
     block_size: int,
     progress: Progress | None = None,
+    kv: KVModel | None = None,
 ) -> list[FairnessRow]:
     """Replay each of the sweep's (capacity, policy) through a fair pool (its first index)."""
     rows = []
@@ -76,6 +78,7 @@ def run_fairness(
             block_size=block_size,
             progress=progress,
             owner_shares=shares,
+            kv=kv,
         )
         rows.append(FairnessRow(shared.capacity, shared.policy, shared, fair))
     return rows

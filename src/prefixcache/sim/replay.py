@@ -9,6 +9,12 @@ Outputs are not cached: the ids cover the input only.
 Our token-id format replays with the engine's rules: the cap is on, the prompt is
 committed, the output tokens are appended and committed, then the request is freed.
 
+With a ``KVModel`` (``sim/kv_model.py``) the pool has its window groups: ``capacity`` blocks
+every layer holds become ``capacity x pages_per_block`` pages, a prompt is committed whole,
+so its pages out of the window go back at once (relative to the committed length), and the
+result has the window counters and the KV bytes per cached token by group. Windows need
+token ids: a Mooncake id stands for a whole block of unknown tokens, so it is refused.
+
 With ``owner_shares`` the pool is tenant-fair and each request's tenant is its owner.
 
 Retention: the cache's clock follows the trace's timestamps (ms -> s), and after a request's
@@ -28,7 +34,14 @@ from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.cache.sequence import Sequence
 from prefixcache.shutdown import raise_if_stop_requested
-from prefixcache.sim.traces import Mark, MooncakeRequest, TokenRequest, Trace
+from prefixcache.sim.kv_model import KVModel
+from prefixcache.sim.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    Mark,
+    MooncakeRequest,
+    TokenRequest,
+    Trace,
+)
 
 Progress = Callable[[int], None]
 IN_MEMORY_SECONDS = 300.0  # OpenAI's "in_memory" retention; a longer TTL is the "24h" class
@@ -81,6 +94,14 @@ class ReplayResult:
     wall_seconds: float = 0.0
     tenants: dict[str, list[int]] = field(default_factory=dict)  # tenant -> [tokens, hits]
     fair: bool = False  # replayed through a tenant-fair pool (owner shares)
+    layout: str = ""  # the KVModel's layout ("": none modelled)
+    pages: int = 0  # pool pages (capacity x pages per block)
+    kv_bytes: int = 0  # the pool's bytes (0: token size unknown)
+    kv_cache_dtype: str = ""
+    window_pages_released: int = 0
+    window_pages_evicted: int = 0
+    window_lost_tokens: int = 0
+    bytes_per_cached_token: dict[str, float] = field(default_factory=dict)  # group -> bytes
     hits_per_request: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -91,16 +112,25 @@ class ReplayResult:
     def token_hit_rate(self) -> float:
         return self.hit_tokens / self.tokens if self.tokens else 0.0
 
+    @property
+    def kv_bytes_per_cached_token(self) -> float:
+        """Every group's bytes per cached token (0.0: token size unknown)."""
+        return sum(self.bytes_per_cached_token.values())
+
     def as_dict(self) -> dict:
         """Every field but the per-request hits, plus both hit rates."""
         data = asdict(self)
         del data["hits_per_request"]
-        if not data["tenants"]:
-            del data["tenants"]
+        for name in ("tenants", "bytes_per_cached_token"):
+            if not data[name]:
+                del data[name]
         return {
             **data,
             "block_hit_rate": self.block_hit_rate,
             "token_hit_rate": self.token_hit_rate,
+            **(
+                {"kv_bytes_per_cached_token": self.kv_bytes_per_cached_token} if self.layout else {}
+            ),
         }
 
 
@@ -114,19 +144,23 @@ def replay(
     progress: Progress | None = None,
     owner_shares: Mapping[str, float] | None = None,
     retention: RetentionModel | None = None,
+    kv: KVModel | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` at ``capacity`` blocks; ``block_size`` applies to token traces only.
 
     ``owner_shares`` (``{}``: equal) replays through a fair pool, tenants as owners.
     ``retention`` (default: the trace's marks, the default budget) says what is retained.
+    ``kv`` (default: one full group, sizes unknown) gives the pool its layout.
     """
     check_capacity(trace, capacity, block_size)
+    check_windows(trace, kv)
     size = 1 if trace.kind == "mooncake" else block_size
     retention = retention or RetentionModel()
     now = [0.0]  # the trace's clock, seconds
     manager = KVCacheManager(
-        capacity, size, eviction_policy=policy, index=index, owner_shares=owner_shares,
-        clock=lambda: now[0], retention_budget=retention.budget,
+        capacity * (kv.pages_per_block if kv else 1), size, eviction_policy=policy,
+        index=index, owner_shares=owner_shares, clock=lambda: now[0],
+        retention_budget=retention.budget, groups=kv.groups if kv else (),
     )  # fmt: skip
     result = ReplayResult(capacity, policy, index, fair=owner_shares is not None)
     result.retention_ttl, result.retention_budget = retention.ttl_seconds, retention.budget
@@ -147,7 +181,42 @@ def replay(
     if progress is not None:
         progress(len(trace.requests) % 256)
     _finish(result, manager)
+    if kv is not None:
+        _count_layout(result, manager, kv, block_tokens(trace, block_size))
     return result
+
+
+def check_windows(trace: Trace, kv: KVModel | None) -> None:
+    """ValueError for window groups on a hash-id trace: its ids stand for whole blocks."""
+    if kv is not None and kv.windowed and trace.kind == "mooncake":
+        raise ValueError(
+            f"--window needs a trace of token ids: {trace.path} ({trace.format_name}) has "
+            f"block hash ids, each standing for a whole block of tokens it does not give, "
+            f"so a {kv.window}-token window cannot be placed in it (replay our token-id "
+            "JSONL or a CSV, or use --kv-layout full)"
+        )
+
+
+def _count_layout(
+    result: ReplayResult, manager: KVCacheManager, kv: KVModel, tokens_per_block: int
+) -> None:
+    """The layout's numbers: pages, bytes, window counters, bytes per cached token by group
+    (of what the pool holds after the trace)."""
+    stats = manager.stats
+    result.layout, result.pages, result.kv_cache_dtype = kv.layout, manager.num_blocks, kv.dtype
+    result.window_pages_released = stats.window_pages_released
+    result.window_pages_evicted = stats.window_pages_evicted
+    result.window_lost_tokens = stats.window_lost_tokens
+    page_token = kv.page_token_bytes
+    if page_token is None:
+        return
+    result.kv_bytes = manager.num_blocks * page_token * tokens_per_block
+    result.bytes_per_cached_token = {"full": float(page_token)}
+    if manager.windows is not None:
+        cached = len(manager.pool.cached)
+        per_group = manager.windows.bytes_per_cached_token(page_token, cached)
+        for group, value in enumerate(per_group, 1):
+            result.bytes_per_cached_token[f"window{group}"] = value
 
 
 def _finish(result: ReplayResult, manager: KVCacheManager) -> None:
@@ -230,7 +299,8 @@ def _replay_tokens(
     manager.commit(seq, len(prompt))
     _retain(manager, seq, request, retention, result)
     outputs = request.output_token_ids
-    room = (len(seq.blocks) + manager.num_free_blocks) * manager.block_size - len(prompt)
+    free_blocks = manager.num_free_blocks // manager.pages_per_block
+    room = (len(seq.blocks) + free_blocks) * manager.block_size - len(prompt)
     if outputs[:room] and manager.append(seq, outputs[:room]):
         manager.commit(seq, seq.num_tokens)
     manager.free(seq)
@@ -249,6 +319,15 @@ def _count_tenant(result: ReplayResult, tenant: str | None, tokens: int, hits: i
         counts = result.tenants.setdefault(tenant, [0, 0])
         counts[0] += tokens
         counts[1] += hits
+
+
+def block_tokens(trace: Trace, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Tokens one cache block stands for: ``block_size``, or a hash-id trace's tokens per id
+    (512 for Mooncake's, 16 for Bailian's)."""
+    if trace.kind != "mooncake":
+        return block_size
+    first = trace.requests[0] if trace.requests else None
+    return (first.block_size or first.id_tokens) if first else MOONCAKE_BLOCK_TOKENS
 
 
 def largest_request(trace: Trace, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

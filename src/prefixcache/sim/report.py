@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+from prefixcache.sim.kv_model import KVModel
 from prefixcache.sim.replay import ReplayResult
 from prefixcache.sim.sweep import SweepReport
 
@@ -23,6 +24,14 @@ CSV_FIELDS = [
     "peak_usage",
     "peak_cached_blocks",
     "wall_seconds",
+    "layout",
+    "pages",
+    "kv_bytes",
+    "kv_cache_dtype",
+    "window_pages_released",
+    "window_pages_evicted",
+    "window_lost_tokens",
+    "kv_bytes_per_cached_token",
 ]
 
 
@@ -91,6 +100,34 @@ def format_report(report: SweepReport) -> str:
         "replay wall time:",
         format_timings(report),
     ]
+    return "\n".join(lines)
+
+
+def format_layout(report: SweepReport, kv: KVModel) -> str:
+    """Per capacity and policy (first index): pool, token hit rate, window counters and KV
+    bytes per cached token (all groups, the full group, the window groups together)."""
+    header = (
+        f"{'capacity':>9} {'pages':>8} {'KV MiB':>8} {'policy':>8} {'token %':>8} "
+        f"{'released':>9} {'evicted':>9} {'lost tok':>9} {'B/token':>9} {'full':>8} {'windows':>8}"
+    )
+    lines = [f"{kv.describe()}; bytes per cached token after the trace:", header]
+    index = report.results[0].index
+    for run in (run for run in report.results if run.index == index):
+        per_group = run.bytes_per_cached_token
+        windows = sum(value for group, value in per_group.items() if group != "full")
+        sizes = (
+            run.kv_bytes / 2**20,
+            run.kv_bytes_per_cached_token,
+            per_group.get("full", 0),
+            windows,
+        )
+        mib, total, full, windows = (f"{v:,.1f}" if per_group else "-" for v in sizes)
+        lines.append(
+            f"{run.capacity:>9} {run.pages:>8} {mib:>8} {run.policy:>8} "
+            f"{100 * run.token_hit_rate:>8.2f} {run.window_pages_released:>9} "
+            f"{run.window_pages_evicted:>9} {run.window_lost_tokens:>9} {total:>9} {full:>8} "
+            f"{windows:>8}"
+        )
     return "\n".join(lines)
 
 

@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.sim.belady import belady_hits, infinite_hits
+from prefixcache.sim.kv_model import KVModel
 from prefixcache.sim.replay import (
     Progress,
     ReplayResult,
     RetentionModel,
     block_references,
+    block_tokens,
     replay,
 )
-from prefixcache.sim.traces import MOONCAKE_BLOCK_TOKENS, Trace
+from prefixcache.sim.traces import Trace
 
 
 @dataclass(slots=True)
@@ -52,12 +54,6 @@ class SweepReport:
         return SweepReport(self.trace, results, [o for o in self.optimum if o.capacity in keep])
 
 
-def id_tokens(trace: Trace) -> int:
-    """Tokens per block id of a hash-id trace (512 for Mooncake's, 16 for Bailian's)."""
-    first = trace.requests[0] if trace.requests else None
-    return (first.block_size or first.id_tokens) if first else MOONCAKE_BLOCK_TOKENS
-
-
 def summarize(trace: Trace, block_size: int) -> dict:
     """Requests, block references, distinct blocks and the unbounded cache's hit rate."""
     references = block_references(trace, 0, block_size)
@@ -66,7 +62,7 @@ def summarize(trace: Trace, block_size: int) -> dict:
     return {
         "path": trace.path,
         "format": trace.format_name,
-        "block_size": id_tokens(trace) if trace.kind == "mooncake" else block_size,
+        "block_size": block_tokens(trace, block_size),
         "requests": len(trace.requests),
         "block_references": total,
         "distinct_blocks": len({block for ids in references for block in ids}),
@@ -83,15 +79,19 @@ def run_sweep(
     block_size: int = DEFAULT_BLOCK_SIZE,
     optimum: bool = True,
     progress: Progress | None = None,
+    kv: KVModel | None = None,
 ) -> SweepReport:
-    """Replay every combination (capacities ascending) and compute the optimum."""
+    """Replay every combination (capacities ascending) and compute the optimum (not with
+    window groups: MIN counts whole blocks, not their pages)."""
+    optimum = optimum and not (kv and kv.windowed)
     report = SweepReport(summarize(trace, block_size))
     for capacity in sorted(set(capacities)):
         for index in indexes:
             for policy in policies:
                 run = replay(
-                    trace, capacity, policy, index, block_size=block_size, progress=progress
-                )
+                    trace, capacity, policy, index, block_size=block_size, progress=progress,
+                    kv=kv,
+                )  # fmt: skip
                 report.results.append(run)
         if optimum:
             report.optimum.append(compute_optimum(trace, capacity, block_size, report.results[-1]))
@@ -116,6 +116,7 @@ def run_retention_sweep(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
+    kv: KVModel | None = None,
 ) -> list[ReplayResult]:
     """At each capacity: no retention (TTL 0), then every TTL x budget x prefix (blocks
     marked per prompt; None: the whole prompt)."""
@@ -137,6 +138,7 @@ def run_retention_sweep(
                     block_size=block_size,
                     progress=progress,
                     retention=model,
+                    kv=kv,
                 )
             )
     return runs
