@@ -132,3 +132,80 @@ def test_bad_files_get_one_line_naming_file_and_field(tmp_path, capsys, content,
     out, err = capsys.readouterr()
     assert status == 2 and not out
     assert message in err and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------ window layers (issue 35)
+ANSWERED = list(range(2000, 2060))  # a 40-token prompt, then a 20-token answer
+WINDOWED = ("--block-size", "4", "--window", "8")  # a hit of L reads tokens L-7 .. L-1
+
+
+def test_a_window_caused_miss_names_what_each_group_held(tmp_path, capsys):
+    b = {"token_ids": ANSWERED[:50] + [7] * 5}  # differs at 50: the full layers hold 48
+    status, out, _ = run(tmp_path, capsys, {"token_ids": ANSWERED}, b, *WINDOWED,
+                         "--answer-tokens", "20")  # fmt: skip
+    assert status == 0, out
+    assert "no memory pressure (A's stale window pages still cached): B reuses 48 tokens" in out
+    # kept: the window before the prompt's end (blocks 8-9) and the answer's (blocks 13-14)
+    assert "window pages kept for tokens 32-39, 52-59): B reuses 40 tokens" in out
+    assert (
+        "window-caused miss: full layers held 48 tokens; window layers held the window before "
+        "40 (tokens 33-39), not the one before 48; B reuses 40 tokens under pressure: only its "
+        "15 tokens after 40 are recomputed, not the whole prompt"
+    ) in out
+    _, plain, _ = run(tmp_path, capsys, {"token_ids": ANSWERED}, b, "--block-size", "4")
+    assert "window" not in plain and out.startswith(plain)  # no window: the report as before
+
+
+def test_without_the_answers_window_the_whole_prompt_is_recomputed(tmp_path, capsys):
+    b = {"token_ids": ANSWERED[:50] + [7] * 5}
+    _, out, _ = run(tmp_path, capsys, {"token_ids": ANSWERED}, b, *WINDOWED)
+    assert "window pages kept for tokens 52-59): B reuses 0 tokens" in out
+    assert (
+        "full layers held 48 tokens; window layers held none of the window before 48 (tokens "
+        "41-47) nor of any earlier one; B reuses 0 tokens under pressure: all 55 tokens"
+    ) in out
+
+
+def test_a_follow_up_of_the_whole_answer_has_no_window_caused_miss(tmp_path, capsys):
+    b = {"token_ids": ANSWERED + [7] * 5}
+    _, out, _ = run(tmp_path, capsys, {"token_ids": ANSWERED}, b, *WINDOWED,
+                    "--answer-tokens", "20")  # fmt: skip
+    assert "reusable: 15 blocks, 60 tokens" in out
+    assert "kept for tokens 32-39, 52-59): B reuses 60 tokens" in out
+    assert "window-caused miss: none: the kept windows serve B's whole 60-token hit" in out
+
+
+def test_the_window_comes_from_a_gemma_models_metadata(tmp_path, capsys):
+    from gemma_fixtures import gemma_file
+    from prefixcache.engine.model_files import sliding_window
+
+    assert sliding_window(None) == 0  # SmolLM2: every layer is full
+    a = {"token_ids": list(range(1000, 1000 + 1600))}
+    b = {"token_ids": a["token_ids"][:1300] + [7]}
+    _, out, _ = run(tmp_path, capsys, a, b, "--model", str(gemma_file()))
+    assert "window layers (512 tokens" in out
+    assert "full layers held 1,296 tokens" in out and "B reuses 0 tokens under pressure" in out
+    _, out, _ = run(tmp_path, capsys, a, b, "--model", str(gemma_file()), "--window", "0")
+    assert "window" not in out
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--window", "-1"], "--window -1 must be >= 1 token (0: no window layers)"),
+        (["--answer-tokens", "3"], "--answer-tokens only matters with a window"),
+        (["--window", "8", "--answer-tokens", "40"], "--answer-tokens 40 must be below A's 40"),
+        (["--window", "8", "--answer-tokens", "-2"], "--answer-tokens -2 must be >= 0"),
+    ],
+)
+def test_bad_window_options_get_one_line_naming_the_limit(tmp_path, capsys, options, message):
+    status, out, err = run(tmp_path, capsys, {"token_ids": BASE}, {"token_ids": BASE}, *options)
+    assert status == 2 and not out
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_window_that_is_not_a_number_is_refused_by_argparse(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(tmp_path, capsys, {"token_ids": BASE}, {"token_ids": BASE}, "--window", "wide")
+    assert exit_.value.code == 2
+    assert "argument --window: invalid int value: 'wide'" in capsys.readouterr().err

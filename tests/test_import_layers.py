@@ -54,6 +54,17 @@ def test_route_loads_its_tokenizer_without_torch() -> None:
     assert not loaded & set(FORBIDDEN_IN_ROUTER)
 
 
+def test_explain_reads_a_models_window_without_torch() -> None:
+    """What ``prefixcache explain --model M`` runs for the window: the GGUF's metadata only."""
+    loaded = loaded_after(
+        "from prefixcache.engine.model_files import sliding_window\n"
+        "import prefixcache.tools.explain\n"
+        "assert sliding_window(None) == 0"
+    )
+    assert "prefixcache.tools.explain_window" in loaded
+    assert not loaded & set(FORBIDDEN_IN_ROUTER)
+
+
 def imported_names(path: Path) -> list[str]:
     """Every module an ``import``/``from`` statement in ``path`` names (TYPE_CHECKING too)."""
     names = []

@@ -19,6 +19,7 @@ from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.model_names import DEFAULT_MODEL, PACKAGED_MODELS, SHORT_NAMES
 
 GGUF_MAGIC = b"GGUF"
+WINDOW_ARCHITECTURES = ("gemma3",)  # the families whose sliding-window layers the engine runs
 
 
 def default_model_path() -> Path:
@@ -50,6 +51,23 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         except Exception as exc:  # tokenizers raises its own exception types
             raise ModelFileError(f"{source}: cannot load its tokenizer: {exc}") from exc
     return gguf_tokenizer(gguf_metadata(open_gguf(source), source), source)
+
+
+def sliding_window(model: str | Path | None) -> int:
+    """Tokens a sliding-window layer of ``model`` attends to, from its GGUF metadata (no
+    weights, no torch); 0 when the engine runs every layer as full (a folder, or a family
+    not in ``WINDOW_ARCHITECTURES``)."""
+    source = model_source(model)
+    if source.is_dir():
+        return 0
+    meta = gguf_metadata(open_gguf(source), source)
+    arch = meta.get("general.architecture")
+    if arch not in WINDOW_ARCHITECTURES:
+        return 0
+    window = meta.get(f"{arch}.attention.sliding_window", 0)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ModelFileError(f"{source}: {arch}.attention.sliding_window is not a token count")
+    return window
 
 
 def gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:

@@ -3,7 +3,9 @@
 A is cached through a real ``KVCacheManager`` (admit, commit, free), then ``match`` asks how
 much of B it would serve. The report names the first miss (block and token position) and
 its cause: differing token ids, a salt, LoRA or namespace, a prefix shorter than a block,
-rule 10's cap, or a tokenization/template difference. No prompt text is printed unless
+rule 10's cap, or a tokenization/template difference. With a sliding window (``--window``,
+or a ``--model`` with window layers) it also replays A through a full and a window group
+and names a window-caused miss (``explain_window.py``). No prompt text is printed unless
 ``--show-text``; token ids, positions and character offsets are.
 """
 
@@ -17,6 +19,7 @@ from prefixcache.cache import KVCacheManager, Namespace
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.hashing import get_hash_function, namespace_digest
 from prefixcache.model_names import MODEL_HELP
+from prefixcache.tools.explain_window import measure_window_reuse, window_lines
 from prefixcache.tools.request_file import (
     InputError,
     RequestSpec,
@@ -65,14 +68,26 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--show-text", action="store_true", help="also print decoded text pieces and salts"
     )
+    parser.add_argument(
+        "--window",
+        type=int,
+        metavar="TOKENS",
+        help="sliding window of the model's window layers: also report B's hit once A's "
+        "out-of-window pages are evicted (default: the --model's window; 0: none)",
+    )
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with a window: A's last N tokens were its answer, decoded (its window is kept too)",
+    )
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    """Load both requests, explain, print; exit 2 on a bad file."""
-    if args.block_size < 1:
-        print(f"prefixcache explain: --block-size {args.block_size} must be >= 1", file=sys.stderr)
-        return 2
+    """Load both requests, explain, print; exit 2 on a bad file or option."""
     try:
+        _check_options(args)
         specs = [load_request_file(args.a), load_request_file(args.b)]
         tokenizer = None
         if args.show_text or any(spec.is_text for spec in specs):
@@ -80,11 +95,47 @@ def run_explain(args: argparse.Namespace) -> int:
 
             tokenizer = load_tokenizer(args.model)
         a, b = (build_side(n, spec, tokenizer) for n, spec in zip("AB", specs, strict=True))
+        window = _window(args)
+        _check_answer(args.answer_tokens, window, a)
     except (InputError, ValueError) as error:  # ValueError: a model file we cannot read
         print(f"prefixcache explain: {error}", file=sys.stderr)
         return 2
-    print("\n".join(explain(a, b, args.block_size, tokenizer, args.show_text)))
+    lines = explain(a, b, args.block_size, tokenizer, args.show_text, window, args.answer_tokens)
+    print("\n".join(lines))
     return 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """InputError naming a bad number and its limit."""
+    if args.block_size < 1:
+        raise InputError(f"--block-size {args.block_size} must be >= 1")
+    if args.window is not None and args.window < 0:
+        raise InputError(f"--window {args.window} must be >= 1 token (0: no window layers)")
+    if args.answer_tokens < 0:
+        raise InputError(f"--answer-tokens {args.answer_tokens} must be >= 0")
+
+
+def _window(args: argparse.Namespace) -> int:
+    """``--window``, else the window of ``--model``'s window layers (its GGUF metadata, no
+    weights); 0: every layer is full."""
+    if args.window is not None or args.model is None:
+        return args.window or 0
+    from prefixcache.engine.model_files import sliding_window
+
+    return sliding_window(args.model)
+
+
+def _check_answer(answer_tokens: int, window: int, a: Side) -> None:
+    """An answer needs a window to matter and leaves A at least one prompt token."""
+    if answer_tokens and not window:
+        raise InputError(
+            "--answer-tokens only matters with a window (--window, or a --model with window layers)"
+        )
+    if answer_tokens and answer_tokens >= len(a.tokens):
+        raise InputError(
+            f"--answer-tokens {answer_tokens} must be below A's {len(a.tokens)} tokens "
+            "(its prompt needs at least one)"
+        )
 
 
 def build_side(name: str, spec: RequestSpec, tokenizer) -> Side:
@@ -120,8 +171,16 @@ def _namespace(side: Side, block_size: int) -> Namespace:
     return Namespace(**side.spec.namespace, block_size=block_size)
 
 
-def explain(a: Side, b: Side, block_size: int, tokenizer, show_text: bool) -> list[str]:
-    """The report, line by line."""
+def explain(
+    a: Side,
+    b: Side,
+    block_size: int,
+    tokenizer,
+    show_text: bool,
+    window: int = 0,
+    answer_tokens: int = 0,
+) -> list[str]:
+    """The report, line by line; with a ``window``, B's hit in a hybrid pool too."""
     reuse = measure_reuse(a, b, block_size)
     first = _first_difference(a.tokens, b.tokens)
     complete = reuse.tokens == len(b.tokens) // block_size * block_size > 0
@@ -138,6 +197,10 @@ def explain(a: Side, b: Side, block_size: int, tokenizer, show_text: bool) -> li
     if first is not None:
         lines += text_notes(a, b, first, tokenizer)
         lines += token_diff(a, b, first, tokenizer if show_text else None)
+    if window:
+        namespace = _namespace(a, block_size)
+        hybrid = measure_window_reuse(a, b, namespace, window, answer_tokens, reuse.tokens)
+        lines += window_lines(hybrid, len(b.tokens))
     return lines
 
 
