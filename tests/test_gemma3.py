@@ -207,3 +207,19 @@ def test_hybrid_layout_keeps_windows_only_and_decodes_as_the_full_layout(gemma, 
     assert stats.hits - hits >= 400 - 16  # the recomputed window was kept
     assert_pool_clean(hybrid)
     assert_pool_clean(full)
+
+
+def test_metrics_give_window_pages_and_bytes_per_cached_token_by_group(served, text_ids):
+    body = {"model": "gemma-3-270m", "prompt": text_ids[:650], "max_tokens": 2}
+    assert httpx.post(f"{served}/v1/completions", json=body, timeout=300).status_code == 200
+    text = httpx.get(f"{served}/metrics", timeout=30).text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("prefixcache_kv_")
+    }
+    assert values["prefixcache_kv_window_pages_released_total"] >= 5 * 8  # 650 - 511 tokens
+    full = values['prefixcache_kv_bytes_per_cached_token{group="full"}']
+    assert full == 3 * 2 * 256 * 4  # the 3 full layers' K and V, float32, one KV head
+    for group in range(1, 6):  # released pages stay cached until evicted: at most a page each
+        assert 0 < values[f'prefixcache_kv_bytes_per_cached_token{{group="window{group}"}}'] <= full

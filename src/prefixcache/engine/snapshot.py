@@ -165,11 +165,9 @@ def window_counters(engine: LLMEngine) -> WindowCounters | None:
     if windows is None:
         return None
     page_token = engine.kv_store.bytes_per_page_token
-    cached = len(engine.manager.pool.cached) * engine.manager.block_size
-    per_group = [("full", float(page_token))] + [
-        (f"window{group + 1}", page_token * count * windows.block_size / cached if cached else 0.0)
-        for group, count in enumerate(windows.counts)
-    ]
+    shares = windows.bytes_per_cached_token(page_token, len(engine.manager.pool.cached))
+    per_group = [("full", float(page_token))]
+    per_group += [(f"window{group + 1}", share) for group, share in enumerate(shares)]
     return WindowCounters(
         stats.window_pages_released,
         stats.window_pages_evicted,
