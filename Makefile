@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hardening.py
 	$(BIN)/python benchmarks/agents.py
 	$(BIN)/python benchmarks/structured.py
+	$(BIN)/python benchmarks/hybrid_kv.py --no-peer
 
 lab: $(STAMP)
 	$(BIN)/prefixcache lab

@@ -5,7 +5,9 @@ Workload (the same text to every server, `/v1/completions`, streamed, greedy, EO
 a shared ~1,500-token system prompt, then `--conversations` chats of `--turns` turns; each
 turn appends a new ~`--user-tokens`-token user message (seeded synthetic text) and the
 model's `--answer-tokens`-token answer (the returned text, exactly), so chats grow to
-2-4k tokens. `--clients` threads run the chats, each chat's turns in order.
+2-4k tokens. `--clients` threads run the chats turn by turn (`--order turns`, the default:
+every chat's turn t before any chat's turn t+1, so a chat comes back after all the others, as
+users who read and type between turns), or each chat to its end (`--order chats`).
 
 KV budget: a quarter (`--kv-share`) of the working set (every chat's final length, from the
 plan) in the all-full float32 layout (layers x 2 x KV heads x head_dim x 4 bytes a token,
@@ -129,6 +131,7 @@ class Plan:
     chats: list[list[str]]
     answer_tokens: int
     final_lengths: list[int]  # each chat's last prompt and answer, estimated
+    system_tokens: int
 
     @property
     def working_set(self) -> int:
@@ -160,7 +163,7 @@ def make_plan(tokenizer, args: argparse.Namespace) -> Plan:
         for chat in chats
     ]
     warm_up = bos_ids(tokenizer) + tokenizer.encode("Warm up.")
-    return Plan(warm_up, system, chats, args.answer_tokens, lengths)
+    return Plan(warm_up, system, chats, args.answer_tokens, lengths, base)
 
 
 def bos_ids(tokenizer) -> list[int]:
@@ -208,25 +211,42 @@ def cached_counts(usage: dict, timings: dict | None) -> dict:
     return {"prompt": cached + timings["prompt_n"], "cached": cached, "source": "cache_n"}
 
 
-def run_chat(client: httpx.Client, server: Server, plan: Plan, index: int) -> list[dict]:
-    """One chat's turns in order, each one's answer appended to the next prompt."""
-    prompt, turns = plan.system, []
-    for number, message in enumerate(plan.chats[index], start=1):
-        prompt += user_turn(message)
-        turn = stream_turn(client, server, prompt, plan.answer_tokens)
-        prompt += turn.pop("text")
-        turns.append({**turn, "turn": number})
-    return turns
+class Chat:
+    """One chat's prompt so far; each turn appends a user message and the answer as returned."""
+
+    def __init__(self, plan: Plan, index: int) -> None:
+        self.plan, self.index, self.prompt, self.turns = plan, index, plan.system, []
+
+    def next_turn(self, client: httpx.Client, server: Server) -> None:
+        number = len(self.turns) + 1
+        self.prompt += user_turn(self.plan.chats[self.index][number - 1])
+        turn = stream_turn(client, server, self.prompt, self.plan.answer_tokens)
+        self.prompt += turn.pop("text")
+        self.turns.append({**turn, "turn": number})
+
+    def run(self, client: httpx.Client, server: Server) -> None:
+        """Every turn in order."""
+        for _ in self.plan.chats[self.index]:
+            self.next_turn(client, server)
 
 
-def run_workload(server: Server, plan: Plan, clients: int) -> dict:
+def run_workload(server: Server, plan: Plan, clients: int, order: str) -> dict:
+    """The chats on `clients` threads: chat by chat (`chats`), or turn by turn across every
+    chat (`turns`: each chat's next turn comes after every other chat's, as users who read
+    and type between turns)."""
     limits = httpx.Limits(max_connections=2 * clients + 4)
+    chats = [Chat(plan, index) for index in range(len(plan.chats))]
     with httpx.Client(timeout=1800, limits=limits) as client, ThreadPoolExecutor(clients) as pool:
         complete(client, server, plan.warm_up, 2)
         began = time.perf_counter()
-        chats = list(pool.map(lambda i: run_chat(client, server, plan, i), range(len(plan.chats))))
+        if order == "chats":
+            list(pool.map(lambda chat: chat.run(client, server), chats))
+        else:
+            for _ in range(len(plan.chats[0])):
+                list(pool.map(lambda chat: chat.next_turn(client, server), chats))
         wall = time.perf_counter() - began
-    return {"turns": [t for chat in chats for t in chat], "wall": wall}
+    turns = [t for chat in chats for t in chat.turns]
+    return {"turns": turns, "wall": wall, "system": plan.system_tokens}
 
 
 def rss_bytes(pid: int) -> int:
@@ -302,7 +322,7 @@ def measure_ours(setup: dict, layout: str, dtype: str) -> dict:
     extra += ["--kv-layout", layout]
     start = our_server(setup["model"], setup["threads"], extra=tuple(extra), tier=False)
     with Server(Peer(start)) as server:
-        result = run_workload(server, setup["plan"], setup["clients"])
+        result = run_workload(server, setup["plan"], setup["clients"], setup["order"])
         result["rss"] = rss_bytes(server.process.pid)
         result["windows"] = window_state(server)
         result["per_token"], result["probe_note"] = None, "no probe"
@@ -334,17 +354,20 @@ def measure_llama(setup: dict, swa_full: bool) -> dict:
         ensure_built(), setup["model"], setup["threads"], setup["context"], setup["clients"], extra
     )
     with Server(Peer(start)) as server:
-        result = run_workload(server, setup["plan"], setup["clients"])
+        result = run_workload(server, setup["plan"], setup["clients"], setup["order"])
         result["rss"] = rss_bytes(server.process.pid)
     return result
 
 
 def later(result: dict) -> dict:
-    """Hit rate and TTFT p50 of turns >= 2; decode tok/s over every answer."""
+    """Hit rate and TTFT p50 of turns >= 2 (and the hit rate of their own history: the
+    tokens past the shared system prompt); decode tok/s over every answer."""
     turns = [t for t in result["turns"] if t["turn"] >= 2] or result["turns"]
-    decode = sum(t["decode"] for t in result["turns"])
+    decode, system = sum(t["decode"] for t in result["turns"]), result["system"]
+    own = sum(max(0, t["cached"] - system) for t in turns)
     return {
         "hit": sum(t["cached"] for t in turns) / max(1, sum(t["prompt"] for t in turns)),
+        "own": own / max(1, sum(t["prompt"] - system for t in turns)),
         "ttft": statistics.median(t["ttft"] for t in turns),
         "decode": sum(t["answer"] - 1 for t in result["turns"]) / max(decode, 1e-9),
     }
@@ -353,7 +376,8 @@ def later(result: dict) -> dict:
 def row(name: str, result: dict) -> str:
     summary = later(result)
     return (
-        f"  {name:<28} later-turn hits {summary['hit']:6.1%}  TTFT p50 "
+        f"  {name:<28} later-turn hits {summary['hit']:6.1%} (own history "
+        f"{summary['own']:6.1%})  TTFT p50 "
         f"{summary['ttft'] * 1e3:7.0f} ms  wall {result['wall']:6.1f} s  decode "
         f"{summary['decode']:5.1f} tok/s  RSS {result['rss'] / 2**20:6.0f} MiB  (cached: "
         f"{'/'.join(sorted({t['source'] for t in result['turns']}))})"
@@ -393,7 +417,8 @@ def ratio_lines(ours: dict, peers: dict) -> list[str]:
     lines = [
         f"hybrid vs all-full float32, same budget: later-turn hit rate "
         f"{hybrid['hit'] / max(full['hit'], 1e-9):.2f}x (goal >= 2x), TTFT p50 "
-        f"{full['ttft'] / hybrid['ttft']:.2f}x lower (goal >= 2x)"
+        f"{full['ttft'] / hybrid['ttft']:.2f}x lower (goal >= 2x); own-history hit rate "
+        f"{hybrid['own']:.1%} vs {full['own']:.1%}"
     ]
     rates = {dtype: later(ours[("hybrid", dtype)])["decode"] for dtype in GOALS}
     lines.append(
@@ -440,6 +465,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--user-tokens", type=int, default=200)
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument(
+        "--order", choices=("turns", "chats"), default="turns",
+        help="turns: every chat's turn t before any turn t+1; chats: each chat to its end",
+    )  # fmt: skip
     parser.add_argument("--kv-share", type=float, default=0.25, help="of the working set")
     parser.add_argument("--probe-tokens", type=int, default=8192, help="0: no probe")
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
@@ -462,16 +491,17 @@ def main() -> None:
     print(cpu_line())
     print(
         f"{model.name}, {args.threads} threads, one run; {args.conversations} chats x "
-        f"{args.turns} turns, {args.clients} clients; system {args.system_tokens}, user "
-        f"{args.user_tokens}, answer {args.answer_tokens} tokens; working set "
-        f"{plan.working_set:,} tokens (chats {min(plan.final_lengths):,}-"
+        f"{args.turns} turns ({args.order} first), {args.clients} clients; system "
+        f"{args.system_tokens}, user {args.user_tokens}, answer {args.answer_tokens} tokens; "
+        f"working set {plan.working_set:,} tokens (chats {min(plan.final_lengths):,}-"
         f"{max(plan.final_lengths):,}); KV budget {budget:,} B ({why}); "
         f"load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     setup = {"model": model, "threads": args.threads, "shape": shape, "plan": plan,
              "budget": budget, "clients": args.clients, "probe": probe_ids,
-             "context": context, "cache_ram": args.llama_cache_ram}  # fmt: skip
+             "context": context, "cache_ram": args.llama_cache_ram,
+             "order": args.order}  # fmt: skip
     ours = {}
     for layout, dtype in CONFIGS:
         result = ours[(layout, dtype)] = measure_ours(setup, layout, dtype)

@@ -1,8 +1,10 @@
 """KV dtypes (issue 35): bytes a token and decode speed of each `--kv-cache-dtype`, one run.
 
-The default model, as `serve` builds it (fp32 on the int4 kernels, the fused decode). For
+The default model, as `serve` builds it (fp32 on the int4 kernels, the fused decode), or
+`--model` (Gemma 3 270M: `--model gemma3-270m`, the eager path, its `--kv-layout`). For
 each dtype: the pool's bytes a token and the tokens 2 GiB hold; decode tok/s of one
-sequence and of 8 at once after a 512-token prompt (128 tokens out, greedy, best of three);
+sequence and of 8 at once after a `--prompt-tokens` prompt (512; 128 tokens out, greedy,
+best of three);
 each as a ratio to float32. The issue's goal: bfloat16 and int8 no slower than float32.
 `benchmarks/peers.py` has llama-server's numbers for the same file (its default f16 KV).
 """
@@ -20,7 +22,7 @@ from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.weight_cache import load_serving_model
 
 DTYPES = ("float32", "bfloat16", "int8")
-PROMPT_TOKENS, OUT_TOKENS = 512, 128
+OUT_TOKENS = 128
 
 
 def decode_rate(engine: LLMEngine, prompt: list[int], rows: int) -> float:
@@ -44,16 +46,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", help="name or GGUF (default: the default model)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--kv-layout", default="hybrid", choices=("hybrid", "full"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_serving_model(None, default_cache_dir())
-    prompt = list(range(1000, 1000 + PROMPT_TOKENS))
-    print(f"KV dtypes on {loaded.source.name}, {args.threads} threads")
+    loaded = load_serving_model(args.model, default_cache_dir())
+    prompt = list(range(1000, 1000 + args.prompt_tokens))
+    blocks = 8 * (args.prompt_tokens + OUT_TOKENS) // 16 + 64
+    print(
+        f"KV dtypes on {loaded.source.name}, {args.threads} threads, {args.prompt_tokens}-token "
+        f"prompts, --kv-layout {args.kv_layout}"
+    )
     print(f"{'dtype':10} {'bytes/token':>12} {'tokens in 2 GiB':>16} "
           f"{'decode 1 tok/s':>15} {'decode 8 tok/s':>15}")  # fmt: skip
     base: dict[str, float] = {}
     for name in DTYPES:
-        engine = LLMEngine(loaded, EngineConfig(kv_cache_dtype=name, num_kv_blocks=512))
+        config = EngineConfig(kv_cache_dtype=name, num_kv_blocks=blocks, kv_layout=args.kv_layout)
+        engine = LLMEngine(loaded, config)
         per_token = engine.kv_store.bytes_per_token
         rates = {
             rows: max(decode_rate(engine, prompt, rows) for _ in range(args.repeats))

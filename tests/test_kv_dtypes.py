@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from engine_fixtures import assert_pool_clean, default_model, run_to_completion, tiny_engine
 from prefixcache.cache.events import BlockStored
 from prefixcache.engine import kernels
-from prefixcache.engine.attention import gather_context
+from prefixcache.engine.attention import gather_context, gather_eager
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.kv_quant import dequantize_int8, quantize_int8
-from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.tier import TierValueError, decode_value, encode_value
 from prefixcache.tier.seal import TierKeys
@@ -294,3 +294,47 @@ def test_a_bad_kv_cache_dtype_is_a_one_line_usage_error() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert "--kv-cache-dtype" in last and "'fp8'" in last
     assert all(name in last for name in DTYPES)
+
+
+# --- the native gather ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+@given(data=st.data())
+def test_the_native_gather_equals_the_torch_path_bit_for_bit(kv_cache_dtype, data) -> None:
+    if not kernels.available():
+        pytest.fail("the native kernels must build here (make kernels)")
+    store = KVStore(1, 6, 16, 2, 8, dtype=kv_dtype(kv_cache_dtype))
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    rows = torch.arange(6 * 16)
+    store.write(0, torch.randn(96, 2, 8) * 30, torch.randn(96, 2, 8), rows)
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, 5), max_size=8)), dtype=torch.long)
+    for which in (0, 1):
+        native = torch.ops.prefixcache.gather_kv(store.layers[0], which, ids)
+        eager = gather_eager(store.layers[0], which, ids).float()
+        assert native.dtype == torch.float32 and native.shape == eager.shape
+        assert torch.equal(native.view(torch.int32), eager.view(torch.int32))
+
+
+def test_the_native_gather_refuses_a_block_outside_the_pool() -> None:
+    if not kernels.available():
+        pytest.fail("the native kernels must build here (make kernels)")
+    store = KVStore(1, 4, 16, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"block id 4 outside 0\.\.3"):
+        torch.ops.prefixcache.gather_kv(store.layers[0], 0, torch.tensor([1, 4]))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_the_native_write_stores_the_same_bits_as_the_torch_path(kv_cache_dtype) -> None:
+    if not kernels.available():
+        pytest.fail("the native kernels must build here (make kernels)")
+    dtype = kv_dtype(kv_cache_dtype)
+    native, eager = KVStore(2, 4, 16, 2, 8, dtype=dtype), KVStore(2, 4, 16, 2, 8, dtype=dtype)
+    k, v = torch.randn(20, 2, 8) * 40, torch.randn(20, 2, 8)
+    k[3] = 0  # a zero row: scale 0, codes 0
+    slots = torch.randperm(64)[:20]
+    got = native.write_native(1, k, v, slots)
+    expected = eager.write_eager(1, k, v, slots)
+    assert torch.equal(native.layers[1].view(torch.uint8), eager.layers[1].view(torch.uint8))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert not native.layers[0].any()  # another layer untouched

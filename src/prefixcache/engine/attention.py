@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.cache.common import cdiv
+from prefixcache.engine import kernels
 from prefixcache.engine.kv_quant import dequantize_int8
 
 # When a cascade group pays (see `benchmarks/attention.py --threshold`): a group costs a
@@ -436,8 +437,16 @@ def _gather(cache: torch.Tensor, which: int, block_ids: torch.Tensor) -> torch.T
     """K (which=0) or V (1) of `block_ids`, concatenated: `[len * block_size, heads, dim]`.
 
     An int8 cache (uint8 rows of codes and scale, `kv_quant.py`) comes back dequantized
-    to fp32; a bf16 one as stored (callers convert to the query's dtype, exactly).
+    to fp32; a bf16 one as stored, or widened to fp32 where the native kernels gather in
+    one pass (callers convert to the query's dtype, exactly).
     """
+    if cache.dtype != torch.float32 and cache.is_contiguous() and kernels.available():
+        return torch.ops.prefixcache.gather_kv(cache, which, block_ids)
+    return gather_eager(cache, which, block_ids)
+
+
+def gather_eager(cache: torch.Tensor, which: int, block_ids: torch.Tensor) -> torch.Tensor:
+    """`_gather` in torch ops: an index_select, then int8 rows dequantized."""
     blocks = cache.select(1, which).index_select(0, block_ids)
     rows = blocks.view(-1, cache.shape[3], cache.shape[4])
     return dequantize_int8(rows) if cache.dtype == torch.uint8 else rows

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from prefixcache.engine import kernels
 from prefixcache.engine.config import KV_CACHE_DTYPES, ModelConfig
 from prefixcache.engine.kv_layout import KVLayout
 from prefixcache.engine.kv_quant import (
@@ -23,6 +24,7 @@ KV_DTYPES: dict[str, torch.dtype] = dict(
     zip(KV_CACHE_DTYPES, (torch.float32, torch.bfloat16, torch.int8), strict=True)
 )
 MEMO_MAPPINGS = 16  # slot mappings whose rows are remembered: one per group of a forward
+RowPairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # see KVStore._row_pairs
 
 
 class KVStore:
@@ -66,7 +68,7 @@ class KVStore:
             _zeros(shape, self.storage_dtype) for _ in range(max(slots) + 1)
         ]
         self.layers: list[torch.Tensor] = [self.pages[slot] for slot in slots]
-        self._memo: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._memo: dict[int, RowPairs] = {}
 
     @classmethod
     def for_model(
@@ -142,12 +144,30 @@ class KVStore:
         in their own dtype: attention over the new tokens must see what the cache holds, so
         a prompt computes the same with its prefix cached or not.
         """
+        if self.dtype != torch.float32 and k.dtype == torch.float32 and kernels.available():
+            return self.write_native(layer, k, v, slot_mapping)
+        return self.write_eager(layer, k, v, slot_mapping)
+
+    def write_eager(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` in torch ops."""
         k_rows, v_rows = self._rows(slot_mapping)
         flat = self.layers[layer].view(-1, self.num_kv_heads, self.row_width)
         k_stored, k_read = self._encode(k)
         v_stored, v_read = self._encode(v)
         flat.index_copy_(0, k_rows, k_stored)
         flat.index_copy_(0, v_rows, v_stored)
+        return k_read, v_read
+
+    def write_native(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` in one native pass per row (bf16, int8: the same bits as `_encode`)."""
+        k_read = k.contiguous().clone()
+        v_read = v.contiguous().clone()
+        rows = self.rows_of(slot_mapping)
+        torch.ops.prefixcache.write_kv_(self.layers[layer], rows, k_read, v_read)
         return k_read, v_read
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,26 +181,31 @@ class KVStore:
     def rows_of(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """`[T, 2]` int64: each slot's K and V rows of the flattened
         `[num_blocks * 2 * block_size]` view (what `write` fills)."""
-        k_rows, v_rows = self._rows(slot_mapping)
-        return torch.stack((k_rows, v_rows), 1).contiguous()
+        return self._row_pairs(slot_mapping)[3]
 
     def _rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the flattened `[num_blocks * 2 * block_size]` view that hold K and V.
+        """Rows of the flattened `[num_blocks * 2 * block_size]` view that hold K and V."""
+        _, k_rows, v_rows, _ = self._row_pairs(slot_mapping)
+        return k_rows, v_rows
+
+    def _row_pairs(self, slot_mapping: torch.Tensor) -> RowPairs:
+        """The mapping, its K rows, V rows and both as `[T, 2]`.
 
         Memoized on the tensor object (every layer of a group passes the same mapping in a
         forward), so a caller must not change a mapping in place between writes.
         """
         memo = self._memo.get(id(slot_mapping))
         if memo is not None and memo[0] is slot_mapping:
-            return memo[1]
+            return memo
         block = slot_mapping.div(self.block_size, rounding_mode="floor")
         offset = slot_mapping - block * self.block_size
         k_rows = block * (2 * self.block_size) + offset
-        rows = (k_rows, k_rows + self.block_size)
+        v_rows = k_rows + self.block_size
         if len(self._memo) >= MEMO_MAPPINGS:
             self._memo.clear()
-        self._memo[id(slot_mapping)] = (slot_mapping, rows)
-        return rows
+        memo = (slot_mapping, k_rows, v_rows, torch.stack((k_rows, v_rows), 1).contiguous())
+        self._memo[id(slot_mapping)] = memo
+        return memo
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each `src` block onto its `dst` in every layer (copy-on-write).

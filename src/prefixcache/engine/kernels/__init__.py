@@ -36,6 +36,8 @@ SOURCES = (
     "gguf_simd.h",
     "head_logits.cpp",
     "head_logits.h",
+    "kv_rows.cpp",
+    "kv_rows.h",
     "round_bf16.cpp",
     "round_bf16.h",
 )

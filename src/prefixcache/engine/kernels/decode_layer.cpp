@@ -50,34 +50,6 @@ void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* s
   }
 }
 
-// One head's row x [dim] into the cache at `out` as `format` keeps it; x becomes the values
-// a read gives back (engine/kv_store.py's write and engine/kv_quant.py, bit for bit).
-void store_row(float* x, int64_t dim, KVFormat format, uint8_t* out) {
-  if (format == KVFormat::kFloat32) {
-    std::memcpy(out, x, dim * sizeof(float));
-  } else if (format == KVFormat::kBFloat16) {
-    for (int64_t i = 0; i < dim; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, x + i, sizeof bits);
-      bits = round_bf16_bits(bits);
-      uint16_t high = static_cast<uint16_t>(bits >> 16);
-      std::memcpy(out + 2 * i, &high, sizeof high);
-      std::memcpy(x + i, &bits, sizeof bits);
-    }
-  } else {
-    float absmax = 0.0f;
-    for (int64_t i = 0; i < dim; ++i) absmax = std::max(absmax, std::fabs(x[i]));
-    const float scale = absmax * static_cast<float>(1.0 / 127.0);
-    for (int64_t i = 0; i < dim; ++i) {
-      float code = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
-      code = std::min(127.0f, std::max(-127.0f, code));
-      out[i] = static_cast<uint8_t>(static_cast<int8_t>(code));
-      x[i] = code * scale;
-    }
-    std::memcpy(out + dim, &scale, sizeof scale);
-  }
-}
-
 // Rotate each new token's q and k, then store its k and v in the paged cache and the copy.
 void store_kv(float* qkv, int64_t tokens, const LayerShape& s, const float* cos,
               const float* sin, const KVTarget& kv) {

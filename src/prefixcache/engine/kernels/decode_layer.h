@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kv_rows.h"
+
 namespace prefixcache {
 
 // An int4 projection as torch's CPU kernel takes it (quant.Int4Linear).
@@ -23,10 +25,6 @@ struct LayerShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
 };
-
-// How the paged cache stores a (token, KV head) row of `dim` values: fp32, bf16, or int8
-// codes followed by their fp32 scale, absmax / 127 (engine/kv_quant.py), dim + 4 bytes.
-enum class KVFormat { kFloat32, kBFloat16, kInt8 };
 
 // Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`
 // [kv, capacity, dim]), which holds `length` tokens once they are in, the last T of them

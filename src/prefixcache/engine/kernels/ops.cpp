@@ -1,11 +1,12 @@
 // torch.ops.prefixcache: the native kernels' checked entry points (decode_layers,
-// head_logits, round_bf16_).
+// head_logits, round_bf16_, gather_kv, write_kv_).
 #include <torch/library.h>
 
 #include <utility>
 
 #include "decode_layer.h"
 #include "head_logits.h"
+#include "kv_rows.h"
 #include "round_bf16.h"
 
 namespace prefixcache {
@@ -128,6 +129,8 @@ at::Tensor& round_bf16_op(at::Tensor& x) {
 
 TORCH_LIBRARY(prefixcache, m) {
   m.def("round_bf16_(Tensor(a!) x) -> Tensor(a!)");
+  m.def("gather_kv(Tensor cache, int which, Tensor block_ids) -> Tensor");
+  m.def("write_kv_(Tensor(a!) cache, Tensor rows, Tensor(b!) k, Tensor(c!) v) -> ()");
   m.def(
       "head_logits(Tensor parts, Tensor hidden, Tensor weight, Tensor norm, Tensor error_norm, "
       "Tensor plane_norms, int planes, float safety) -> Tensor");
@@ -141,6 +144,8 @@ TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
   m.impl("decode_layers", decode_layers_op);
   m.impl("head_logits", head_logits_op);
   m.impl("round_bf16_", round_bf16_op);
+  m.impl("gather_kv", gather_kv);
+  m.impl("write_kv_", write_kv);
 }
 
 }  // namespace prefixcache
