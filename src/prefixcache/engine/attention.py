@@ -23,6 +23,8 @@ from prefixcache.cache.common import cdiv
 from prefixcache.engine import kernels
 from prefixcache.engine.kv_quant import dequantize_int8
 
+NATIVE_GATHER = (torch.bfloat16, torch.uint8)  # pools `kernels/kv_rows.cpp` reads in one pass
+
 # When a cascade group pays (see `benchmarks/attention.py --threshold`): a group costs a
 # roughly fixed extra attention call and merge per layer, and saves gathering its shared
 # blocks again for every member but one. So a group needs enough saved tokens,
@@ -440,7 +442,7 @@ def _gather(cache: torch.Tensor, which: int, block_ids: torch.Tensor) -> torch.T
     to fp32; a bf16 one as stored, or widened to fp32 where the native kernels gather in
     one pass (callers convert to the query's dtype, exactly).
     """
-    if cache.dtype != torch.float32 and cache.is_contiguous() and kernels.available():
+    if cache.dtype in NATIVE_GATHER and cache.is_contiguous() and kernels.available():
         return torch.ops.prefixcache.gather_kv(cache, which, block_ids)
     return gather_eager(cache, which, block_ids)
 

@@ -24,6 +24,7 @@ KV_DTYPES: dict[str, torch.dtype] = dict(
     zip(KV_CACHE_DTYPES, (torch.float32, torch.bfloat16, torch.int8), strict=True)
 )
 MEMO_MAPPINGS = 16  # slot mappings whose rows are remembered: one per group of a forward
+NATIVE_WRITE = (torch.bfloat16, torch.int8)  # what `kernels/kv_rows.cpp` stores from fp32
 RowPairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # see KVStore._row_pairs
 
 
@@ -144,7 +145,7 @@ class KVStore:
         in their own dtype: attention over the new tokens must see what the cache holds, so
         a prompt computes the same with its prefix cached or not.
         """
-        if self.dtype != torch.float32 and k.dtype == torch.float32 and kernels.available():
+        if self.dtype in NATIVE_WRITE and k.dtype == torch.float32 and kernels.available():
             return self.write_native(layer, k, v, slot_mapping)
         return self.write_eager(layer, k, v, slot_mapping)
 
