@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,6 +48,7 @@ _HERE = Path(__file__).resolve().parent
 
 log = logging.getLogger(__name__)
 _COMPILING: set[subprocess.Popen] = set()  # compiler drivers running now
+_STARTING = threading.Lock()  # held to start a compiler, and to stop them all
 
 
 class BuildError(RuntimeError):
@@ -84,7 +86,7 @@ def build(path: Path) -> Path:
         lib = cpp_extension.library_paths()[0]
         command = [compiler, *FLAGS, *objects, f"-L{lib}", f"-Wl,-rpath,{lib}"]
         command += ["-ltorch", "-ltorch_cpu", "-lc10", "-o", str(temporary)]
-        _check(compiler, _compile(command, temporary), temporary)
+        _check(compiler, _compile(command, temporary, threading.Event()), temporary)
     os.replace(temporary, path)
     return path
 
@@ -99,13 +101,15 @@ def _compile_objects(compiler: str, folder: Path, temporary: Path) -> list[str]:
         if name.endswith(".cpp")
     }
     pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="compile")
+    stopping = threading.Event()
     try:
         running = [
-            pool.submit(_compile, command + [target], temporary)
+            pool.submit(_compile, command + [target], temporary, stopping)
             for target, command in commands.items()
         ]
         results = [future.result() for future in running]
     except BaseException:  # Ctrl-C in this thread: no compiler starts or stays running
+        stopping.set()  # before the kill: a worker past this point starts nothing
         pool.shutdown(wait=False, cancel_futures=True)
         _stop_compilers()
         raise
@@ -123,15 +127,20 @@ def _check(compiler: str, result: tuple[int, str], temporary: Path) -> None:
         raise BuildError(f"{compiler} failed: {errors.strip()[-2000:]}")
 
 
-def _compile(command: list[str], temporary: Path) -> tuple[int, str]:
+def _compile(command: list[str], temporary: Path, stopping: threading.Event) -> tuple[int, str]:
     """Run the compiler (in our process group: a terminal's Ctrl-C reaches it). If this
     thread is interrupted (Ctrl-C, SIGTERM), or the process exits while another thread
     builds, the driver and everything below it are killed: nothing outlives us, no
-    half-built file stays."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    _COMPILING.add(process)
+    half-built file stays. Once `stopping` is set, no compiler starts: a worker whose
+    compiler the group's Ctrl-C killed would otherwise start the next one (unsignalled),
+    and the exit would wait for it."""
+    with _STARTING:
+        if stopping.is_set():
+            return 1, "the build was stopped"
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        _COMPILING.add(process)
     try:
         _, errors = process.communicate()
     except BaseException:
@@ -146,8 +155,9 @@ def _compile(command: list[str], temporary: Path) -> tuple[int, str]:
 @atexit.register
 def _stop_compilers() -> None:
     """At exit: no compiler of ours keeps running (a build in a thread the exit left)."""
-    for process in list(_COMPILING):
-        kill_tree(process)
+    with _STARTING:
+        for process in list(_COMPILING):
+            kill_tree(process)
 
 
 @functools.cache
