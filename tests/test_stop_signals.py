@@ -186,6 +186,14 @@ def assert_cut_with_an_error_event(stream: Stream, message: str) -> None:
     assert message in error["error"]["message"], error
 
 
+def pending(url: str, name: str = "prefixcache_requests_pending") -> float:
+    """The requests a server (or, with `prefixcache_router_pending`, a router) holds."""
+    page = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf"^{name} (\S+)$", page, re.MULTILINE)
+    assert found, f"{url}/metrics has no {name}"
+    return float(found.group(1))
+
+
 def body_after_the_signal(url: str, path: str = "/v1/completions"):
     """A request whose head is sent now and whose body is sent by the function returned
     (then its reply is read): it starts only after the signal."""
@@ -258,6 +266,7 @@ def test_sigterm_mid_stream_loses_nothing(tmp_path, model) -> None:
     wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")
     wait_until(lambda: subscriber.batches, 10, "a batch of KV events")
     late = body_after_the_signal(url)
+    wait_until(lambda: pending(url) >= 3, 30, "the late request's head")  # see the router's
     family = descendants(process.pid)
     send(process, signal.SIGTERM, True)
     wait_until(lambda: "shutting down" in log.read_text(), 10, "the graceful part")
@@ -319,6 +328,11 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
     streams = [Stream(url), Stream(url, "/v1/messages", ANTHROPIC_STREAM)]
     wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")
     late = body_after_the_signal(url)
+    # the router holds all four (their heads read): a head not yet read leaves an idle
+    # connection, which a stopping uvicorn closes (a reset, not the 503 asserted below)
+    wait_until(
+        lambda: pending(url, "prefixcache_router_pending") >= 4, 30, "the late request's head"
+    )
     send(router, signal.SIGTERM, True)
     wait_until(lambda: "Shutting down" in log.read_text(), 10, "the graceful part")
     refused = late()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.limits import RETRY_AFTER_SECONDS
 
@@ -86,3 +88,13 @@ class InFlight:
             )
         self._held[ticket.tenant] = held + units
         ticket.units = units
+
+
+def export_pending(in_flight: InFlight, registry: CollectorRegistry, name: str) -> None:
+    """A gauge `name` on `registry`: the units `in_flight` holds, read at scrape time."""
+    gauge = Gauge(
+        name,
+        "Requests held: being read, prepared or served (units, against --max-pending)",
+        registry=registry,
+    )
+    gauge.set_function(lambda: in_flight.total)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol import openapi
-from prefixcache.protocol.admission import InFlight
+from prefixcache.protocol.admission import InFlight, export_pending
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import install_front
@@ -105,6 +105,7 @@ class RouterState:
         tenants = config.tenants
         share = None if tenants.local else config.limits.tenant_share(config.max_pending)
         in_flight = InFlight(config.max_pending, share)
+        export_pending(in_flight, metrics.registry, "prefixcache_router_pending")
         views = anyio.CapacityLimiter(PREPARE_THREADS)
         return cls(config, index, client, fleet, metrics, router, forwarder, in_flight, views)
 

@@ -28,7 +28,7 @@ from prefixcache.engine.request import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.protocol import openapi
 from prefixcache.protocol.access_log import waited_field
-from prefixcache.protocol.admission import InFlight, Ticket
+from prefixcache.protocol.admission import InFlight, Ticket, export_pending
 from prefixcache.protocol.anthropic_schemas import MessagesRequest
 from prefixcache.protocol.auth import Tenant, Tenants
 from prefixcache.protocol.cache_controls import CACHE_KEY_LOG_CHARS, openai_keeps
@@ -116,6 +116,7 @@ def create_app(
         InFlight(max_pending, share),
     )
     server.identity = replica_identity(engine, publisher)
+    export_pending(server.in_flight, server.metrics.registry, "prefixcache_requests_pending")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
