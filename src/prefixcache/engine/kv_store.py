@@ -165,8 +165,8 @@ class KVStore:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`write` in one native pass per row (bf16, int8: the same bits as `_encode`)."""
-        k_read = k.contiguous().clone()
-        v_read = v.contiguous().clone()
+        k_read = k.clone(memory_format=torch.contiguous_format)  # one copy, filled in place
+        v_read = v.clone(memory_format=torch.contiguous_format)
         rows = self.rows_of(slot_mapping)
         torch.ops.prefixcache.write_kv_(self.layers[layer], rows, k_read, v_read)
         return k_read, v_read

@@ -35,6 +35,29 @@ void widen_int8(const uint8_t* in, float* out, int64_t rows, int64_t dim) {
 
 }  // namespace
 
+// How `cache` stores K/V rows of `dim` values (fp32, bf16, or int8 packed with its scale in
+// uint8 rows of dim + 4 bytes), and one head's row in bytes.
+std::pair<KVFormat, int64_t> cache_format(const at::Tensor& cache, int64_t dim) {
+  TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
+  if (cache.dtype() == at::kFloat) return {KVFormat::kFloat32, dim * 4};
+  if (cache.dtype() == at::kBFloat16) return {KVFormat::kBFloat16, dim * 2};
+  TORCH_CHECK(cache.dtype() == at::kByte && cache.size(-1) == dim + 4,
+              "cache must be fp32, bf16, or uint8 rows of int8 codes and an fp32 scale (",
+              dim + 4, " bytes)");
+  return {KVFormat::kInt8, dim + 4};
+}
+
+const int64_t* checked_rows(const at::Tensor& rows, const at::Tensor& cache, int64_t kv_heads,
+                            int64_t head_bytes) {
+  int64_t count = cache.numel() * cache.element_size() / (kv_heads * head_bytes);
+  TORCH_CHECK(count >= 1, "cache must hold at least one row");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < count, "cache row ", r[i], " outside 0..", count - 1);
+  }
+  return r;
+}
+
 void store_row(float* x, int64_t dim, KVFormat format, uint8_t* out) {
   if (format == KVFormat::kFloat32) {
     std::memcpy(out, x, dim * sizeof(float));
@@ -74,10 +97,9 @@ at::Tensor gather_kv(const at::Tensor& cache, int64_t which, const at::Tensor& b
   }
   const int64_t rows = cache.size(2) * cache.size(3), width = cache.size(4);
   const bool int8 = cache.dtype() == at::kByte;
-  TORCH_CHECK(int8 || cache.dtype() == at::kFloat || cache.dtype() == at::kBFloat16,
-              "cache must be fp32, bf16, or uint8 int8 rows");
   TORCH_CHECK(!int8 || width > 4, "int8 rows need codes and a 4-byte scale");
   const int64_t dim = int8 ? width - 4 : width;
+  const KVFormat format = cache_format(cache, dim).first;
   auto out = at::empty({n * cache.size(2), cache.size(3), dim}, cache.options().dtype(at::kFloat));
   const auto* base = static_cast<const uint8_t*>(cache.data_ptr());
   const int64_t half = rows * width * cache.element_size();  // bytes of K (or V) in a block
@@ -86,9 +108,9 @@ at::Tensor gather_kv(const at::Tensor& cache, int64_t which, const at::Tensor& b
     for (int64_t b = first; b < last; ++b) {
       const uint8_t* src = base + (id[b] * 2 + which) * half;
       float* to = dst + b * rows * dim;
-      if (int8) {
+      if (format == KVFormat::kInt8) {
         widen_int8(src, to, rows, dim);
-      } else if (cache.dtype() == at::kBFloat16) {
+      } else if (format == KVFormat::kBFloat16) {
         widen_bf16(reinterpret_cast<const uint16_t*>(src), to, rows * dim);
       } else {
         std::memcpy(to, src, rows * dim * sizeof(float));
@@ -107,25 +129,13 @@ void write_kv(const at::Tensor& cache, const at::Tensor& rows, at::Tensor& k, at
                   k.size(1) == kv_heads,
               "k, v must be contiguous fp32 [T, ", kv_heads, ", dim]");
   const int64_t tokens = k.size(0), dim = k.size(2);
-  KVFormat format = KVFormat::kFloat32;
-  int64_t head_bytes = dim * 4;
-  if (cache.dtype() == at::kBFloat16) {
-    format = KVFormat::kBFloat16, head_bytes = dim * 2;
-  } else if (cache.dtype() == at::kByte) {
-    format = KVFormat::kInt8, head_bytes = dim + 4;
-  } else {
-    TORCH_CHECK(cache.dtype() == at::kFloat, "cache must be fp32, bf16, or uint8 int8 rows");
-  }
+  auto [format, head_bytes] = cache_format(cache, dim);
   TORCH_CHECK(width * cache.element_size() == head_bytes, "cache rows of ", width,
               " do not hold ", dim, " values");
   TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous() && rows.dim() == 2 &&
                   rows.size(0) == tokens && rows.size(1) == 2,
               "rows must be contiguous int64 [", tokens, ", 2]");
-  const int64_t count = cache.size(0) * 2 * cache.size(2);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < 2 * tokens; ++i) {
-    TORCH_CHECK(r[i] >= 0 && r[i] < count, "cache row ", r[i], " outside 0..", count - 1);
-  }
+  const int64_t* r = checked_rows(rows, cache, kv_heads, head_bytes);
   auto* base = static_cast<uint8_t*>(cache.data_ptr());
   float* keys = k.data_ptr<float>();
   float* values = v.data_ptr<float>();

@@ -5,12 +5,21 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace prefixcache {
 
 // How the paged cache stores a (token, KV head) row of `dim` values: fp32, bf16, or int8
 // codes followed by their fp32 scale, absmax / 127 (engine/kv_quant.py), dim + 4 bytes.
 enum class KVFormat { kFloat32, kBFloat16, kInt8 };
+
+// How `cache` stores K/V rows of `dim` values (fp32, bf16, or int8 packed with its scale in
+// uint8 rows of dim + 4 bytes), and one head's row in bytes.
+std::pair<KVFormat, int64_t> cache_format(const at::Tensor& cache, int64_t dim);
+
+// `rows`' values, each checked to be a row of `cache` (rows of kv_heads x head_bytes).
+const int64_t* checked_rows(const at::Tensor& rows, const at::Tensor& cache, int64_t kv_heads,
+                            int64_t head_bytes);
 
 // One head's row x [dim] into the cache at `out` as `format` keeps it; x becomes the values
 // a read gives back (engine/kv_store.py's write and engine/kv_quant.py, bit for bit).

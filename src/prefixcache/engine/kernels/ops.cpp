@@ -42,18 +42,6 @@ LayerWeights layer_weights(at::TensorList norms, at::TensorList packed, at::Tens
           projection(p[2], z[2], s.hidden), projection(p[3], z[3], s.intermediate)};
 }
 
-// How `cache` stores K/V rows of `dim` values (fp32, bf16, or int8 packed with its scale in
-// uint8 rows of dim + 4 bytes), and one head's row in bytes.
-std::pair<KVFormat, int64_t> cache_format(const at::Tensor& cache, int64_t dim) {
-  TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
-  if (cache.dtype() == at::kFloat) return {KVFormat::kFloat32, dim * 4};
-  if (cache.dtype() == at::kBFloat16) return {KVFormat::kBFloat16, dim * 2};
-  TORCH_CHECK(cache.dtype() == at::kByte && cache.size(-1) == dim + 4,
-              "cache must be fp32, bf16, or uint8 rows of int8 codes and an fp32 scale (",
-              dim + 4, " bytes)");
-  return {KVFormat::kInt8, dim + 4};
-}
-
 // The new tokens' K/V targets in one layer: its contiguous copy and the rows of its pool.
 KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& cache,
                    int64_t length, const at::Tensor& rows, const LayerShape& s) {
@@ -63,12 +51,7 @@ KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::T
   TORCH_CHECK(length >= rows.size(0) && length <= keys.size(1), "length ", length, " outside ",
               rows.size(0), "..", keys.size(1));
   auto [format, head_bytes] = cache_format(cache, s.head_dim);
-  int64_t count = cache.numel() * cache.element_size() / (s.kv_heads * head_bytes);
-  TORCH_CHECK(count >= 1, "cache must hold at least one row");
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.numel(); ++i) {
-    TORCH_CHECK(r[i] >= 0 && r[i] < count, "cache row ", r[i], " outside 0..", count - 1);
-  }
+  const int64_t* r = checked_rows(rows, cache, s.kv_heads, head_bytes);
   floats(keys, keys.numel(), "keys");
   floats(values, values.numel(), "values");
   auto* bytes = static_cast<uint8_t*>(cache.data_ptr());
