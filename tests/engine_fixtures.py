@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from hf_fixtures import transformers_gguf_once
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.model_files import load_tokenizer
+from prefixcache.engine.models import build_model
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weights import LoadedModel, load_model
 from prefixcache.tier.seal import TierKeys
@@ -109,10 +111,31 @@ def tiny_model() -> LoadedModel:
     return LoadedModel(config, random_state_dict(config), tokenizer, Path("tiny-random"))
 
 
+@cache
+def tiny_gemma_model() -> LoadedModel:
+    """A 3-layer random Gemma 3 (two window layers of 8 tokens, then a full one) that speaks
+    the default model's tokenizer: a hybrid pool of 1 full and 2 window groups of 1 layer."""
+    tokenizer = default_tokenizer()
+    config = replace(
+        tiny_config(tokenizer.vocab_size, tokenizer.eos_token_ids),
+        num_layers=3,
+        name="tiny-random-gemma3",
+        architecture="gemma3",
+        qk_norm=True,
+        sliding_window=8,
+        window_layers=(True, True, False),
+    )
+    generator = torch.Generator().manual_seed(1)
+    targets = build_model(config).weight_targets()
+    state = {name: torch.randn(*target.shape, generator=generator) / target.shape[-1] ** 0.5
+             for name, target in targets.items()}  # fmt: skip
+    return LoadedModel(config, state, tokenizer, Path("tiny-random-gemma3"))
+
+
 TEST_TIER_KEYS = TierKeys(bytes(range(32)))
 
 
-def tiny_engine(**options: object) -> LLMEngine:
+def tiny_engine(model: LoadedModel | None = None, **options: object) -> LLMEngine:
     """An engine on the tiny model in float64, so batching can't flip a greedy choice.
 
     With a tier, fetches may take up to 5 s unless a test says otherwise: the tiny model's
@@ -123,7 +146,7 @@ def tiny_engine(**options: object) -> LLMEngine:
         settings.update(kv_tier_max_wait=5.0, kv_tier_min_wait=5.0)
     if "kv_tier" in options:  # one tenant secret for the whole suite, as in a deployment
         settings.setdefault("tier_keys", TEST_TIER_KEYS)
-    return LLMEngine(tiny_model(), EngineConfig(**settings))
+    return LLMEngine(model or tiny_model(), EngineConfig(**settings))
 
 
 def run_to_completion(engine: LLMEngine) -> dict:

@@ -11,11 +11,14 @@ per-owner counts add up to the pool. Owners also retain prefixes for a few secon
 clock that the machine advances, so retained blocks are held, freed, hit, expired, swept and
 evicted as a last resort in every variant. The ``Hybrid`` variants give the pool window
 groups: every write also lands in the pages of each window group, and each live sequence
-must read its own tokens back through its window tables wherever its windows read.
+must read its own tokens back through its window tables wherever its windows read; a
+second tier's load writes only the window before its end, and the pages it left unwritten
+must never be read.
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -166,6 +169,32 @@ class CacheMachine(RuleBasedStateMachine):
         for position in range(seq.num_computed_tokens, upto):
             self._write(seq, position)
         self.manager.commit(seq, upto)
+
+    @rule(seq=sequences, data=st.data())
+    def load(self, seq, data):
+        """A second tier loads blocks after the hit (``TierLink.load``): every group's KV of
+        each for the full table, each window group's only from its window before the end."""
+        manager, size = self.manager, self.block_size
+        start = seq.num_cached_tokens // size
+        room = (seq.num_prompt_tokens - 1) // size - start  # rule 10's cap
+        live = seq.request_id in manager.sequences
+        if not live or seq.num_computed_tokens != seq.num_cached_tokens or room <= 0:
+            return
+        end = start + data.draw(st.integers(1, room))
+        if any(block.ref_cnt > 1 or block.uid for block in seq.blocks[start:end]):
+            with pytest.raises(ValueError, match="shared"):  # a fork's: never written twice
+                manager.commit_loaded(seq, end - start)
+            return
+        for position in range(start * size, end * size):
+            block, slot = divmod(position, size)
+            self.shadow[(seq.block_table[block], slot)] = seq.token_ids[position]
+        for group, table in enumerate(seq.window_tables):
+            first = max(start, manager.windows.loaded_from(group, end))
+            for position in range(first * size, end * size):
+                block, slot = divmod(position, size)
+                self.shadow[(table[block], slot)] = seq.token_ids[position]
+        manager.commit_loaded(seq, end - start)
+        assert seq.num_cached_tokens == seq.num_computed_tokens == end * size
 
     @rule(seq=sequences, tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def append(self, seq, tokens):

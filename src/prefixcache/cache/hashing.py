@@ -24,6 +24,7 @@ TAG_NAMESPACE_FIELD = 0
 TAG_CACHE_SALT = 1
 TAG_LORA_NAME = 2
 TAG_MM_ITEM = 3
+GROUP_TAG = b"kv-group"  # a window group's page of a block: its own identity (``group_digest``)
 
 Extras = tuple[tuple, ...]
 
@@ -173,3 +174,11 @@ def chain_digests(
         parent = block_digest(parent, token_bytes, extras, hash_fn)
         digests.append(parent)
     return digests
+
+
+def group_digest(digest: bytes, group: int, hash_fn: Callable[[bytes], bytes]) -> bytes:
+    """The identity of a block's page in KV cache group ``group``: the block's digest for
+    group 0 (the full layers), H(digest || GROUP_TAG || u16le group) for a window group."""
+    if group == 0:
+        return digest
+    return hash_fn(digest + GROUP_TAG + struct.pack("<H", group))

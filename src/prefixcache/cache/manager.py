@@ -23,6 +23,7 @@ from prefixcache.cache.hashing import (
     chain_digests,
     encode_tokens,
     get_hash_function,
+    group_digest,
     namespace_digest,
 )
 from prefixcache.cache.index import DEFAULT_INDEX, make_index
@@ -281,6 +282,11 @@ class KVCacheManager:
         )
         return chain_digests(self.root_digest, blocks, self._hash_fn)
 
+    def group_digests(self, digests: SequenceOf[bytes], group: int) -> list[bytes]:
+        """The identities of these blocks' pages in KV cache group ``group`` (0: the full
+        layers, the digests themselves; 1..: window groups): a tier's keys for them."""
+        return [group_digest(digest, group, self._hash_fn) for digest in digests]
+
     # -------------------------------------------------------------- lifecycle
     def admit(
         self,
@@ -372,11 +378,12 @@ class KVCacheManager:
     def commit_loaded(self, seq: Sequence, num_blocks: int) -> None:
         """The next ``num_blocks`` blocks after the hit were loaded from a second tier.
 
-        They count as cached (served without compute) and become matchable at once.
+        They count as cached (served without compute) and become matchable at once. They
+        must be the sequence's own (not shared by a fork, not stored by a sharer). With
+        window groups, each group's pages of the window before the loaded end must have been
+        loaded too (``WindowPages.loaded_from``); its earlier new pages go back empty.
         """
         self._check_live(seq)
-        if self.windows is not None:
-            raise ValueError("a pool with window groups loads nothing from a second tier")
         start = seq.num_cached_tokens
         end = start + num_blocks * self.block_size
         if seq.num_computed_tokens != start or end > seq.num_prompt_tokens - seq.cap_last_token:
@@ -384,6 +391,11 @@ class KVCacheManager:
                 f"cannot load {num_blocks} blocks into {seq.request_id!r}: "
                 f"{seq.num_computed_tokens} tokens computed, {start} cached (rule 10)"
             )
+        loaded = seq.blocks[start // self.block_size : end // self.block_size]
+        if any(block.ref_cnt > 1 or block.uid for block in loaded):
+            raise ValueError(f"cannot load into {seq.request_id!r}: its blocks are shared")
+        if self.windows is not None:  # loaded: each window group's window before ``end``
+            self.windows.drop_unloaded(seq, start // self.block_size, end // self.block_size)
         seq.num_cached_tokens = end
         self.stats.tier_hits += end - start
         self.commit(seq, end)

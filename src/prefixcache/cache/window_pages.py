@@ -135,6 +135,24 @@ class WindowPages:
                     self._give_back(page, keep_from <= index < prompt_end)
             seq.window_from[group] = start
 
+    def loaded_from(self, group: int, end_block: int) -> int:
+        """First block whose page window ``group`` needs after a load that ends at
+        ``end_block``: what a second tier must supply for it."""
+        return self.needed_from(group, end_block * self.block_size)
+
+    def drop_unloaded(self, seq: Sequence, first: int, end: int) -> None:
+        """Blocks [first, end) of ``seq`` were loaded from a second tier, each window group
+        only from ``loaded_from``: its new pages before that hold nothing and go back empty
+        (never matchable)."""
+        for group, row in enumerate(seq.window_pages):
+            for index in range(first, min(end, self.loaded_from(group, end))):
+                page = row[index]
+                if page is not None:
+                    row[index], seq.window_tables[group][index] = None, NO_PAGE
+                    logical, _ = self.home[page.block_id]
+                    require(logical.key is None, f"window: loading into stored {logical}")
+                    self._give_back(page, False)
+
     def release_all(self, seq: Sequence) -> None:
         """``seq`` is freed: its pages (the window at its end) are kept."""
         for row in seq.window_pages:

@@ -25,12 +25,11 @@ from prefixcache.engine.config import (
     DEFAULT_KV_LAYOUT,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
-    ModelConfig,
 )
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.grammar import grammar_cache
-from prefixcache.engine.kv_layout import KVLayout, kv_layout
+from prefixcache.engine.kv_layout import kv_layout
 from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.models import build_model
@@ -50,6 +49,7 @@ from prefixcache.engine.tier_link import TierLink, block_format
 from prefixcache.engine.weights import LoadedModel
 from prefixcache.protocol.tenant_secret import load_secrets
 from prefixcache.tier import open_tier
+from prefixcache.tier.client import QUEUE_BLOCKS
 from prefixcache.tier.seal import TierKeys
 
 log = logging.getLogger("prefixcache.engine")
@@ -112,7 +112,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.kv_dtype = kv_dtype(config.kv_cache_dtype) if config.kv_cache_dtype else config.dtype
         self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")  # its name
-        self.layout = self._layout(config, model_config)
+        self.layout = kv_layout(model_config, config.kv_layout)
         self.num_blocks = self._pool_pages(config)
         self.kv_store = KVStore.for_model(
             model_config, self.num_blocks, config.block_size, self.kv_dtype, self.layout
@@ -179,6 +179,7 @@ class LLMEngine:
             options["max_bytes"] = config.kv_tier_max_bytes
         if config.kv_tier_ttl_seconds is not None and not config.kv_tier.startswith("disk:"):
             options["ttl_seconds"] = config.kv_tier_ttl_seconds
+        options["queue_blocks"] = QUEUE_BLOCKS * self.layout.pages_per_block  # values
         client = open_tier(config.kv_tier, block_format(self.manager, self.kv_store), **options)
         keys = config.tier_keys or default_tier_keys(config.kv_tier)
         waits = (config.kv_tier_min_wait, config.kv_tier_max_wait)
@@ -226,23 +227,14 @@ class LLMEngine:
     def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
         """What else changes the KV values: int4 weights, a KV dtype other than the model's
         (so digests stay as they were without one, and KV of another dtype is never looked
-        up, in the tier or by a router)."""
+        up, in the tier or by a router), a hybrid layout (whose tier values are pages of
+        some layers, and whose blocks may lack window pages)."""
         extra = [("weights", "int4")] if self.int4_weights else []
         if self.kv_dtype != self.config.dtype:
             extra.append(("kv_cache_dtype", self.kv_cache_dtype))
+        if self.layout.groups:  # pages of some layers each: a tier value of another shape
+            extra.append(("kv_layout", self.layout.name))
         return tuple(extra)
-
-    @staticmethod
-    def _layout(config: EngineConfig, model_config: ModelConfig) -> KVLayout:
-        """The pool's KV layout; ValueError for a hybrid one with a second tier (which keeps
-        every layer of a block in one value)."""
-        layout = kv_layout(model_config, config.kv_layout)
-        if layout.groups and config.kv_tier:
-            raise ValueError(
-                "kv_tier stores every layer of a block, and this model's window layers keep "
-                "only their window (kv_layout 'hybrid'): use kv_layout 'full' with a tier"
-            )
-        return layout
 
     def _pool_pages(self, config: EngineConfig) -> int:
         """Pages in the pool: ``num_kv_blocks`` blocks with every group holding them (the

@@ -4,8 +4,12 @@ Read path: when a request arrives, the digests of its prompt blocks beyond the p
 are fetched on the tier's threads while other requests keep stepping; the scheduler holds
 the request back until the fetch is done or its deadline (a share of the time computing
 those blocks would take) has passed, then loads what came back into newly allocated
-blocks and commits them. Write path: after each forward, the full blocks it computed are
-copied out of the KV store and queued to the tier's writer thread; a step never waits.
+blocks and commits them. A hybrid pool's window groups store each page as its own value
+(under ``KVCacheManager.group_digests``): a load takes the full layers' values of every
+block and each window group's values of the window before the load's end only.
+
+Write path: after each forward, the full blocks it computed are copied out of the KV
+store (each of their pages) and queued to the tier's writer thread; a step never waits.
 Retained blocks (``KVCacheManager.retention_ttl``) go with their seconds left, and the tier
 keeps them at least that long.
 """
@@ -13,21 +17,23 @@ keeps them at least that long.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.events import BlockRemoved, BlockStored, EventSink
+from prefixcache.cache.sequence import Sequence
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.request import Branch, Request
 from prefixcache.engine.scheduler import ScheduledChunk
 from prefixcache.tier import BlockFormat, TierClient
 from prefixcache.tier.client import Chain
-from prefixcache.tier.seal import TierKeys
+from prefixcache.tier.seal import SealKey, TierKeys
 
 KV_LAYOUT = "layer,kv,token,kv_head,head_dim"
 # int8: each row is head_dim int8 codes then their fp32 scale (absmax / 127), as bytes.
@@ -51,8 +57,49 @@ class PendingFetch:
     """A tier fetch of prompt blocks ``first``.. of one request, and when to stop waiting."""
 
     first: int
-    future: Future
+    future: Future[Fetched]
     deadline: float
+
+
+@dataclass(slots=True)
+class Fetched:
+    """What a fetch found: the full layers' values of blocks [first, end) and, per window
+    group, its values of blocks from ``starts[g]`` to ``end`` (the window before ``end``)."""
+
+    first: int
+    full: list[memoryview]
+    starts: list[int]
+    windows: list[list[memoryview]]
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.full)
+
+
+NOTHING = Fetched(0, [], [], [])
+
+
+class ValueWrite(NamedTuple):
+    """One page to store: its pool page, the value's digest, chain depth, seal and retention."""
+
+    page: int
+    digest: bytes
+    depth: int
+    key: SealKey
+    ttl: float | None
+
+
+def usable_end(fetched: Fetched, loaded_from: Callable[[int, int], int]) -> int:
+    """The furthest end E <= ``fetched.end`` at which every window group holds the window
+    before E (from ``loaded_from(group, E)``, or from ``first``); ``first`` if none."""
+    first, end = fetched.first, fetched.end
+    for start, values in zip(fetched.starts, fetched.windows, strict=True):
+        if start + len(values) < fetched.end:  # a value missing: only a run from first helps
+            end = min(end, start + len(values) if start == first else first)
+    for group, (start, values) in enumerate(zip(fetched.starts, fetched.windows, strict=True)):
+        if start > max(first, loaded_from(group, end)) or start + len(values) < end:
+            return first
+    return end
 
 
 class TierLink:
@@ -85,22 +132,49 @@ class TierLink:
         first = self.manager.match(tokens, salt) // self.manager.block_size
         if first >= len(digests):
             return
-        key = self.keys.current.for_salt(salt)
-        future = self.client.start_fetch(
-            digests[first:], key, depth0=first, fallback=self._previous(request, first)
-        )
+        chain = Chain(digests, self.keys.current.for_salt(salt))
+        future = self.client.start(self._fetch, NOTHING, chain, self._previous(request), first)
         wanted = (len(digests) - first) * self.manager.block_size
         rate = self.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
         wait = min(self.max_wait, max(self.min_wait, DEADLINE_SHARE * rate * wanted))
         request.tier_fetch = PendingFetch(first, future, time.perf_counter() + wait)
 
-    def _previous(self, request: Request, first: int) -> Chain | None:
+    def _previous(self, request: Request) -> Chain | None:
         """During a secret's rotation: the same blocks under the previous salt and key."""
         salt, previous = request.previous_cache_salt, self.keys.previous
         if salt is None or previous is None:
             return None
         digests = self.manager.prompt_digests(request.prompt_token_ids, salt)
-        return Chain(digests[first:], previous.for_salt(salt))
+        return Chain(digests, previous.for_salt(salt))
+
+    def _fetch(self, chain: Chain, previous: Chain | None, first: int) -> Fetched:
+        """On a tier thread: the full layers' values of blocks ``first``.. and then each
+        window group's values of the window before where they end; cut to the longest end
+        every group can serve (rule 11 for a load)."""
+        full = self._fetch_group(chain, previous, 0, first, len(chain.digests))
+        fetched = Fetched(first, full, [], [])
+        windows = self.manager.windows
+        if windows is None or not full:
+            return fetched
+        for group in range(windows.num_groups):
+            start = max(first, windows.loaded_from(group, fetched.end))
+            fetched.starts.append(start)
+            fetched.windows.append(
+                self._fetch_group(chain, previous, group + 1, start, fetched.end)
+            )
+        del full[usable_end(fetched, windows.loaded_from) - first :]
+        return fetched
+
+    def _fetch_group(
+        self, chain: Chain, previous: Chain | None, group: int, start: int, end: int
+    ) -> list[memoryview]:
+        """The leading run of group ``group``'s values of blocks [start, end)."""
+        keys = self.manager.group_digests(chain.digests[start:end], group)
+        fallback = None
+        if previous is not None:
+            fallback = Chain(self.manager.group_digests(previous.digests[start:end], group),
+                             previous.key)  # fmt: skip
+        return self.client.fetch(keys, chain.key, depth0=start, fallback=fallback)
 
     def ready(self, branch: Branch) -> bool:
         """Whether the branch may be admitted: no fetch pending, or it is done or too late."""
@@ -123,26 +197,34 @@ class TierLink:
             self.timeouts += 1
             fetch.future.cancel()
             return 0
-        payloads = fetch.future.result()
-        hit = seq.num_cached_tokens // self.manager.block_size
-        usable = payloads[hit - fetch.first :] if hit >= fetch.first else []
-        room = (seq.num_prompt_tokens - 1) // self.manager.block_size - hit
-        usable = usable[: max(0, room)]
-        if (hit + len(usable)) * self.manager.block_size < request.min_hit_tokens:
-            usable = []  # a short hit is a miss, wherever it comes from
-        for offset, payload in enumerate(usable):
-            self.kv_store.write_block(seq.block_table[hit + offset], payload)
-        if usable:
-            self.manager.commit_loaded(seq, len(usable))
-            request.num_tier_tokens += len(usable) * self.manager.block_size
-        return len(usable)
+        fetched, block_size = fetch.future.result(), self.manager.block_size
+        hit, end = seq.num_cached_tokens // block_size, fetched.end
+        cap = (seq.num_prompt_tokens - 1) // block_size  # rule 10: as the digests were
+        if not fetched.first <= hit < end <= cap or end * block_size < request.min_hit_tokens:
+            return 0  # nothing past the pool's hit, or a short hit: a miss either way
+        for index in range(hit, end):
+            self.kv_store.write_block(seq.block_table[index], fetched.full[index - fetched.first])
+        self._load_windows(fetched, seq, hit)
+        self.manager.commit_loaded(seq, end - hit)
+        request.num_tier_tokens += (end - hit) * block_size
+        return end - hit
+
+    def _load_windows(self, fetched: Fetched, seq: Sequence, hit: int) -> None:
+        """Each window group's pages of the window before the loaded end (from the hit on:
+        before it the pool's own pages serve)."""
+        windows, end = self.manager.windows, fetched.end
+        for group, (start, values) in enumerate(zip(fetched.starts, fetched.windows, strict=True)):
+            assert windows is not None
+            table = seq.window_tables[group]
+            for index in range(max(hit, windows.loaded_from(group, end)), end):
+                self.kv_store.write_block(table[index], values[index - start])
 
     def write_computed(self, chunks: list[ScheduledChunk]) -> None:
         """Queue every full block this forward computed (of requests that use the tier), each
         with its retention's seconds left; a prompt's last chunk also extends the retention
         of its earlier blocks (hits and earlier chunks), which the tier may hold already."""
-        block_size, ttl_of = self.manager.block_size, self.manager.retention_ttl
-        ids, digests, depths, keys, ttls = [], [], [], [], []
+        block_size = self.manager.block_size
+        writes: list[list[ValueWrite]] = [[] for _ in range(self.manager.pages_per_block)]
         for chunk in chunks:
             seq, request = chunk.branch.seq, chunk.branch.request
             if seq is None or not request.use_tier:
@@ -153,19 +235,35 @@ class TierLink:
             for index in range(first, end):
                 block = seq.blocks[index]
                 if block.key is not None:  # the indexed copy: its KV is now computed
-                    ids.append(block.block_id)
-                    digests.append(block.digest)
-                    depths.append(index)
-                    keys.append(key)
-                    ttls.append(ttl_of(block))
+                    self._queue_pages(block, index, key, writes)
             if request.retention and chunk.start + chunk.num_tokens == seq.num_prompt_tokens:
                 self._retain_earlier(seq.blocks[: min(first, seq.num_stored_blocks)])
-        if ids:
-            copies = self.kv_store.read_blocks(ids)
-            rows = zip(copies, digests, depths, keys, ttls, strict=True)
-            for copy, digest, depth, key, ttl in rows:
-                payload = copy.reshape(-1).view(torch.uint8).numpy()  # numpy has no bf16
-                self.client.submit_write(digest, depth, payload.tobytes, key, ttl)
+        self._submit([write for group in writes for write in group])  # full layers first
+
+    def _queue_pages(
+        self, block: Block, depth: int, key: SealKey, writes: list[list[ValueWrite]]
+    ) -> None:
+        """A computed block's pages, a value each: the full layers' under its digest, each
+        window group's (while attached) under its group digest (``group_digests``)."""
+        ttl = self.manager.retention_ttl(block)
+        assert block.digest is not None
+        writes[0].append(ValueWrite(block.block_id, block.digest, depth, key, ttl))
+        windows = self.manager.windows
+        for group in range(windows.num_groups if windows is not None else 0):
+            page = windows.page(block, group)
+            if page is not None:
+                (digest,) = self.manager.group_digests([block.digest], group + 1)
+                writes[group + 1].append(ValueWrite(page.block_id, digest, depth, key, ttl))
+
+    def _submit(self, writes: list[ValueWrite]) -> None:
+        """Copy the pages out now (the pool may reuse them) and queue them to the writer."""
+        if not writes:
+            return
+        copies = self.kv_store.read_blocks([write.page for write in writes])
+        for copy, write in zip(copies, writes, strict=True):
+            payload = copy.reshape(-1).view(torch.uint8).numpy()  # numpy has no bf16
+            self.client.submit_write(write.digest, write.depth, payload.tobytes, write.key,
+                                     write.ttl)  # fmt: skip
 
     def _retain_earlier(self, blocks: list[Block]) -> None:
         """Extend the tier's retention of blocks computed before this forward (no payload)."""

@@ -16,13 +16,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from prefixcache.tier.base import CORRUPT_REASONS, BlockFormat, KVTier, TierStats, TierValueError
 from prefixcache.tier.codec import check_format, decode_value, encode_value
 from prefixcache.tier.seal import SealKey
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+QUEUE_BLOCKS = 256  # writes waiting for the writer thread, at most (more are dropped)
 PayloadSource = bytes | bytearray | memoryview | Callable[[], bytes | bytearray | memoryview]
 
 
@@ -129,7 +131,7 @@ class TierClient:
         failure_threshold: int = 3,
         cooldown_seconds: float = 1.0,
         max_cooldown_seconds: float = 30.0,
-        queue_blocks: int = 256,
+        queue_blocks: int = QUEUE_BLOCKS,
         clock: Callable[[], float] = time.monotonic,
         fetch_threads: int = 2,
     ) -> None:
@@ -280,13 +282,18 @@ class TierClient:
         self, digests: Sequence[bytes], key: SealKey, depth0: int = 0, fallback: Chain | None = None
     ) -> Future[list[memoryview]]:
         """``fetch`` on a pool thread, so the caller can overlap it and give up at a deadline."""
+        return self.start(self.fetch, [], list(digests), key, depth0, fallback)
+
+    def start(self, reads: Callable[..., T], closed: T, *args: object) -> Future[T]:
+        """``reads(*args)`` (calls of ``fetch``) on a pool thread; ``closed`` at once once the
+        client is closed."""
         try:
             if not self._closed:
-                return self._pool.submit(self.fetch, list(digests), key, depth0, fallback)
+                return self._pool.submit(reads, *args)
         except RuntimeError:  # the pool shut down meanwhile
             pass
-        done: Future[list[memoryview]] = Future()
-        done.set_result([])
+        done: Future[T] = Future()
+        done.set_result(closed)
         return done
 
     # -- writes -----------------------------------------------------------------------
