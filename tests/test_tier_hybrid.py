@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine, tiny_gemma_model
+from prefixcache.cache.events import BlockStored
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.tier_link import Fetched, usable_end
 from redis_fixtures import redis_server
@@ -179,3 +180,16 @@ def test_usable_end_is_served_by_every_group(case) -> None:
     runs = zip(fetched.starts, fetched.windows, strict=True)
     if all(start + len(values) == fetched.end for start, values in runs):
         assert end == fetched.end  # every value there: the whole run loads
+
+
+def test_tier_events_name_the_full_layers_values_only(tmp_path):
+    engine = gemma_engine(kv_tier=f"disk:{tmp_path / 'tier'}")
+    events: list = []
+    engine.set_event_sink(events.append)
+    serve(engine, [DOCUMENT])
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "disk"]
+    digests = engine.manager.prompt_digests(DOCUMENT)
+    assert engine.tier.client.stats.writes == 11 * 3
+    assert {digest for event in stored for digest in event.block_hashes} >= set(digests)
+    assert sum(len(event.block_hashes) for event in stored) == 11  # not the window values
+    finish(engine)

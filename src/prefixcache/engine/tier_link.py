@@ -87,6 +87,7 @@ class ValueWrite(NamedTuple):
     depth: int
     key: SealKey
     ttl: float | None
+    group: int  # 0: the full layers; KV events name those values only
 
 
 def usable_end(fetched: Fetched, loaded_from: Callable[[int, int], int]) -> int:
@@ -247,13 +248,14 @@ class TierLink:
         window group's (while attached) under its group digest (``group_digests``)."""
         ttl = self.manager.retention_ttl(block)
         assert block.digest is not None
-        writes[0].append(ValueWrite(block.block_id, block.digest, depth, key, ttl))
+        writes[0].append(ValueWrite(block.block_id, block.digest, depth, key, ttl, 0))
         windows = self.manager.windows
         for group in range(windows.num_groups if windows is not None else 0):
             page = windows.page(block, group)
             if page is not None:
                 (digest,) = self.manager.group_digests([block.digest], group + 1)
-                writes[group + 1].append(ValueWrite(page.block_id, digest, depth, key, ttl))
+                write = ValueWrite(page.block_id, digest, depth, key, ttl, group + 1)
+                writes[group + 1].append(write)
 
     def _submit(self, writes: list[ValueWrite]) -> None:
         """Copy the pages out now (the pool may reuse them) and queue them to the writer."""
@@ -263,7 +265,7 @@ class TierLink:
         for copy, write in zip(copies, writes, strict=True):
             payload = copy.reshape(-1).view(torch.uint8).numpy()  # numpy has no bf16
             self.client.submit_write(write.digest, write.depth, payload.tobytes, write.key,
-                                     write.ttl)  # fmt: skip
+                                     write.ttl, announce=write.group == 0)  # fmt: skip
 
     def _retain_earlier(self, blocks: list[Block]) -> None:
         """Extend the tier's retention of blocks computed before this forward (no payload)."""
@@ -273,7 +275,10 @@ class TierLink:
                 self.client.submit_retain(block.digest, ttl)
 
     def report_events(self, sink: EventSink) -> None:
-        """Tell ``sink`` of blocks stored in (and evicted from) the tier, with its medium."""
+        """Tell ``sink`` of blocks stored in (and evicted from) the tier, with its medium: the
+        full layers' values (group 0). A window group's value is never announced; its
+        eviction from a disk tier reads as the removal of a digest no event stored, as does
+        any value stored before this process (consumers ignore both)."""
         medium, block_size = self.client.medium, self.manager.block_size
         dtype = str(self.kv_store.dtype).removeprefix("torch.")
 

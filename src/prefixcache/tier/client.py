@@ -118,6 +118,7 @@ class _Write:
     source: PayloadSource | None  # None: only extend a stored block's retention
     key: SealKey | None
     ttl_seconds: float | None = None  # the cache's retention mark, seconds left
+    announce: bool = True  # tell ``on_written`` once stored
 
 
 class TierClient:
@@ -305,6 +306,7 @@ class TierClient:
         payload_source: PayloadSource,
         key: SealKey,
         ttl_seconds: float | None = None,
+        announce: bool = True,
     ) -> bool:
         """Queue one block, to be sealed under ``key``, for the writer thread; never blocks.
         False if not queued.
@@ -313,6 +315,7 @@ class TierClient:
         them, evaluated later on the writer thread: it must read KV that stays valid until
         then (a copy, or a block the engine keeps from being reused). ``ttl_seconds``: the
         block is retained that long; a copy already stored gets its retention extended.
+        ``announce``: call ``on_written`` once it is stored (off: a value no event names).
         """
         with self._cond:
             if self._closed:
@@ -321,7 +324,7 @@ class TierClient:
                 if ttl_seconds is not None:
                     self._enqueue(_Write(digest, depth, None, None, ttl_seconds))
                 return False
-            return self._enqueue(_Write(digest, depth, payload_source, key, ttl_seconds))
+            return self._enqueue(_Write(digest, depth, payload_source, key, ttl_seconds, announce))
 
     def submit_retain(self, digest: bytes, ttl_seconds: float) -> bool:
         """Queue a retention extension of a block the store may already hold (no payload:
@@ -388,7 +391,7 @@ class TierClient:
         self.breaker.success()
         if written:
             self._count(writes=1, bytes_written=len(value))
-            if self.on_written is not None:
+            if self.on_written is not None and item.announce:
                 self.on_written(item.digest)
 
     def _encode(self, item: _Write) -> bytes | None:
