@@ -35,6 +35,7 @@ from prefixcache.engine.models.llama import LlamaModel
 from prefixcache.engine.packed import load_packed, packed_tensors
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weights import LoadedModel, load_model
+from prefixcache.progress import Ticking, progress_bar
 
 FORMAT = 2  # bump whenever what is stored, or how the packing code computes it, changes
 _HEAD, _SAMPLE, _SAMPLES = 2**20, 64 * 2**10, 32  # the GGUF's cheap digest
@@ -82,10 +83,13 @@ def cacheable(loaded: LoadedModel) -> bool:
 
 
 def build(source: Path) -> LoadedModel:
-    """The slow path: read the model and build its int4 model in fp32."""
+    """The slow path: read the model and build its int4 model in fp32 (a bar over the
+    packed tensors on a terminal)."""
     loaded = load_model(source)
     model = build_model(loaded.config)
-    loaded.int4_weights = model.load_quantized(loaded.state_dict, loaded.quantized)
+    with progress_bar(len(loaded.quantized), f"packing {source.name}", "tensor") as advance:
+        blocks = loaded.quantized if advance is None else Ticking(loaded.quantized, advance)
+        loaded.int4_weights = model.load_quantized(loaded.state_dict, blocks)
     loaded.model, loaded.state_dict, loaded.quantized = model, {}, {}
     return loaded
 

@@ -7,17 +7,15 @@ Wire it into the main parser with ``add_simulate_parser(subcommands)`` and dispa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prefixcache.argtypes import positive_int, unit_share
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE
 from prefixcache.cache.index import INDEX_NAMES
 from prefixcache.cache.policies import POLICY_NAMES
+from prefixcache.progress import progress_bar
 from prefixcache.sim.kv_options import DEFAULT_CAPACITIES, add_kv_options
-from prefixcache.sim.replay import Progress
 from prefixcache.sim.traces import TRACE_FORMATS
 
 if TYPE_CHECKING:
@@ -193,7 +191,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return run_cluster_simulation(trace, args)
     capacities, policies = sweep_plan(trace, args)
     total = len(trace.requests) * len(capacities) * len(policies) * len(args.index)
-    with progress_bar(total, args.quiet) as progress:
+    with progress_bar(total, "replay", "req", args.quiet) as progress:
         report = run_sweep(
             trace,
             capacities,
@@ -246,7 +244,7 @@ def _fairness(
         return
     shared = report.restricted(list(args.capacity))
     total = len(trace.requests) * len(shared.results)
-    with progress_bar(total, args.quiet) as progress:
+    with progress_bar(total, "replay", "req", args.quiet) as progress:
         rows = run_fairness(
             trace, shared, shares, block_size=args.block_size, progress=progress, kv=kv
         )
@@ -266,7 +264,7 @@ def _retention(
     prefixes = args.retain_prefix_blocks or [None]
     runs = 1 + len(args.retention_ttl) * len(args.retention_budget) * len(prefixes)
     total = len(trace.requests) * len(set(args.capacity)) * runs
-    with progress_bar(total, args.quiet) as progress:
+    with progress_bar(total, "replay", "req", args.quiet) as progress:
         report.retention = run_retention_sweep(
             trace,
             list(args.capacity),
@@ -293,18 +291,3 @@ def _write_outputs(report: SweepReport, args: argparse.Namespace) -> None:
 
         plot_hit_rates(report, args.plot)
         print(f"plot: {args.plot}")
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, quiet: bool) -> Iterator[Progress | None]:
-    """A tqdm bar over replayed requests on a terminal; None when quiet, piped or absent."""
-    if quiet or not sys.stderr.isatty():
-        yield None
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        yield None
-        return
-    with tqdm(total=total, unit="req", desc="replay", leave=False) as bar:
-        yield bar.update

@@ -26,13 +26,14 @@ over its first ``prefix_blocks`` blocks).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from prefixcache.cache import KVCacheManager
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, cdiv
 from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.cache.sequence import Sequence
+from prefixcache.progress import Progress
 from prefixcache.shutdown import raise_if_stop_requested
 from prefixcache.sim.kv_model import KVModel
 from prefixcache.sim.traces import (
@@ -43,7 +44,6 @@ from prefixcache.sim.traces import (
     Trace,
 )
 
-Progress = Callable[[int], None]
 IN_MEMORY_SECONDS = 300.0  # OpenAI's "in_memory" retention; a longer TTL is the "24h" class
 
 

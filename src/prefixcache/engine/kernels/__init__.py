@@ -19,13 +19,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
 from torch.utils import cpp_extension
 
 from prefixcache.engine.cache_folder import default_cache_dir
+from prefixcache.progress import progress_bar
 from prefixcache.shutdown import kill_tree
 
 SOURCES = (
@@ -107,6 +108,10 @@ def _compile_objects(compiler: str, folder: Path, temporary: Path) -> list[str]:
             pool.submit(_compile, command + [target], temporary, stopping)
             for target, command in commands.items()
         ]
+        with progress_bar(len(running), "compiling the native kernels", "file") as advance:
+            for _done in as_completed(running):
+                if advance is not None:
+                    advance(1)
         results = [future.result() for future in running]
     except BaseException:  # Ctrl-C in this thread: no compiler starts or stays running
         stopping.set()  # before the kill: a worker past this point starts nothing
