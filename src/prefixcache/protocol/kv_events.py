@@ -23,8 +23,8 @@ field of the wrong type from a peer (a string for ``group_idx``, a negative grou
 absent: group 0, full attention, no window. That is the ``array`` form; the ``map`` form
 (newer vLLM, TensorRT-LLM: event structs without ``array_like``) writes each event as a
 map tagged by ``"type"`` with the same field names, ``{"type": "BlockRemoved",
-"block_hashes": [...], "medium": "cpu"}``, inside the same positional batch.
-``decode_batch`` reads both.
+"block_hashes": [...], "medium": "cpu", "group_idx": 0}``, inside the same positional
+batch. ``decode_batch`` reads both.
 
 A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and gets every
 buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end marker
