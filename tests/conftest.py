@@ -61,6 +61,19 @@ def admit_computed(manager: KVCacheManager, request_id: str, tokens: list[int], 
     return seq
 
 
+def pool_holdings(manager: KVCacheManager) -> set[tuple[bytes, int]]:
+    """What the pool can match, as KV events describe it: (digest, group_idx) of every indexed
+    block (group 0) and of each page an indexed block has attached in window group g (g + 1)."""
+    pool = manager.pool
+    held = {(block.digest, 0) for block in pool.cached.values()}
+    windows = manager.windows
+    for block_id, pages in {} if windows is None else windows.attached.items():
+        logical = pool.blocks[block_id]
+        if logical.key is not None:
+            held |= {(logical.digest, g + 1) for g, page in enumerate(pages) if page is not None}
+    return held
+
+
 # The inner loop's subset (`make test-quick`): the cache core, the protocol, the simulator, the
 # tier's codec and stores, and the small-engine tests; no real model, no subprocess server,
 # cluster, fuzzer or soak, and not the long property runs (state machines, radix and event

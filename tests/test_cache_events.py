@@ -1,9 +1,11 @@
 """KV events from the cache core: exact (a subscriber rebuilds the indexed set) and optional.
 
-A subscriber applies the events to a set of digests (stored adds, removed discards, cleared
-empties); after every operation that set must equal the digests of the pool's indexed
-blocks. Duplicates are made on purpose (two requests computing one prompt at once, or a
-hit below ``min_hit_tokens`` recomputed), so promotion of a held duplicate is exercised.
+A subscriber applies the events to a set of (digest, group) pairs (stored adds, removed
+discards, cleared empties); after every operation that set must equal what the pool can
+match: its indexed blocks in group 0 and, in a hybrid pool, the window pages attached to
+them in each window group. Duplicates are made on purpose (two requests computing one
+prompt at once, or a hit below ``min_hit_tokens`` recomputed), so promotion of a held
+duplicate is exercised.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import admit_computed
+from conftest import admit_computed, pool_holdings
 from prefixcache import CapacityError, KVCacheManager
 from prefixcache.cache.events import (
+    FULL_ATTENTION,
     MEDIUM_POOL,
+    SLIDING_WINDOW,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
 )
+from prefixcache.cache.groups import KVGroupSpec
 from prefixcache.cache.hashing import block_digest, encode_tokens, get_hash_function
 
 SHA256 = get_hash_function("sha256")
@@ -49,13 +54,22 @@ CONFIGS = [
     for policy in ("lru", "arc")
     for index in ("hash", "radix")
 ]
+# Hybrid pools: (block size, blocks, policy, index, window sizes of the window groups).
+HYBRID_CONFIGS = [
+    (2, 20, "lru", "hash", (3,)),
+    (4, 14, "arc", "radix", (6,)),
+    (2, 24, "lru", "radix", (3, 5)),
+]
+WINDOW = [KVGroupSpec(1), KVGroupSpec(1, 8)]  # block size 4: a window reads 2 blocks back
 
 
 class Subscriber:
-    """The receiving side: the set of digests the pool can match, rebuilt from events."""
+    """The receiving side: what the pool can match, rebuilt from events (group 0's digests,
+    and the window groups' (digest, group_idx) pairs)."""
 
     def __init__(self) -> None:
         self.digests: set[bytes] = set()
+        self.windows: set[tuple[bytes, int]] = set()
         self.events: list[KVEvent] = []
 
     def __call__(self, event: KVEvent) -> None:
@@ -63,16 +77,30 @@ class Subscriber:
         if isinstance(event, BlockStored):
             parent = event.parent_block_hash
             assert parent is None or parent in self.digests, "a chain hangs from unknown content"
-            self.digests.update(event.block_hashes)
+            if event.group_idx:
+                self.windows.update((digest, event.group_idx) for digest in event.block_hashes)
+            else:
+                self.digests.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            assert set(event.block_hashes) <= self.digests, "removal of unannounced content"
-            self.digests.difference_update(event.block_hashes)
+            removed = {(digest, event.group_idx) for digest in event.block_hashes}
+            assert removed <= self.held, "removal of unannounced content"
+            self.digests.difference_update(event.block_hashes if not event.group_idx else ())
+            self.windows -= removed
         else:
             assert isinstance(event, AllBlocksCleared)
             self.digests.clear()
+            self.windows.clear()
 
-    def of(self, kind: type) -> list:
-        return [event for event in self.events if isinstance(event, kind)]
+    @property
+    def held(self) -> set[tuple[bytes, int]]:
+        return {(digest, 0) for digest in self.digests} | self.windows
+
+    def of(self, kind: type, group: int | None = None) -> list:
+        return [
+            event
+            for event in self.events
+            if isinstance(event, kind) and (group is None or event.group_idx == group)
+        ]
 
 
 def indexed_digests(manager: KVCacheManager) -> set[bytes]:
@@ -90,13 +118,33 @@ def check_chain(manager: KVCacheManager, event: BlockStored) -> None:
         parent = digest
 
 
+def check_window_tokens(manager: KVCacheManager, events: list[BlockStored]) -> None:
+    """A window group's blocks carry the token ids group 0 announced for their digests (a
+    page adopted or promoted is sent alone, without its parent)."""
+    size, tokens = manager.block_size, {}
+    for event in events:
+        if not event.group_idx:
+            for position, digest in enumerate(event.block_hashes):
+                tokens[digest] = event.token_ids[position * size : (position + 1) * size]
+    for event in events:
+        if event.group_idx:
+            assert len(event.token_ids) == size * len(event.block_hashes)
+            chunks = [
+                event.token_ids[i * size : (i + 1) * size] for i in range(len(event.block_hashes))
+            ]
+            assert chunks == [tokens[digest] for digest in event.block_hashes]
+
+
 class Twins:
     """One workload on two managers: with a sink (checked) and without (must agree)."""
 
     def __init__(self, config: tuple, token_ids: bool) -> None:
-        block_size, num_blocks, policy, index = config
+        block_size, num_blocks, policy, index, *windows = config
+        groups = [KVGroupSpec(1)] + [KVGroupSpec(1, size) for size in windows[0]] if windows else []
         self.managers = [
-            KVCacheManager(num_blocks, block_size, eviction_policy=policy, index=index)
+            KVCacheManager(
+                num_blocks, block_size, eviction_policy=policy, index=index, groups=groups
+            )
             for _ in range(2)
         ]
         self.sub = Subscriber()
@@ -140,6 +188,7 @@ class Twins:
         manager = self.managers[0]
         manager.check_invariants()
         assert self.sub.digests == indexed_digests(manager)
+        assert self.sub.held == pool_holdings(manager)
         assert self.managers[1].stats == manager.stats
         for event in self.sub.of(BlockStored):
             assert (event.block_size, event.lora_id, event.medium) == (
@@ -147,10 +196,13 @@ class Twins:
                 None,
                 MEDIUM_POOL,
             )
-            if self.token_ids:
-                check_chain(manager, event)
-            else:
+            check_group_fields(manager, event)
+            if not self.token_ids:
                 assert event.token_ids == []
+            elif not event.group_idx:
+                check_chain(manager, event)
+        if self.token_ids:
+            check_window_tokens(manager, self.sub.of(BlockStored))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
@@ -163,6 +215,35 @@ def test_events_rebuild_exactly_the_indexed_digests(config, ops, token_ids):
         twins.check()
     pool = twins.managers[1].pool
     assert "store" not in vars(pool) and "_forget" not in vars(pool), "no sink, no wrappers"
+
+
+def check_group_fields(manager: KVCacheManager, event: BlockStored) -> None:
+    """Group 0 is full attention; window group g is ``group_idx`` g + 1 with its window."""
+    if not event.group_idx:
+        assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (
+            FULL_ATTENTION,
+            None,
+        )
+        return
+    assert manager.windows is not None and 1 <= event.group_idx <= manager.windows.num_groups
+    window = manager.windows.windows[event.group_idx - 1]
+    assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (
+        SLIDING_WINDOW,
+        window,
+    )
+
+
+@pytest.mark.parametrize("config", HYBRID_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@settings(max_examples=120, deadline=None)
+@given(ops=OPS, token_ids=st.booleans())
+def test_events_rebuild_what_every_group_of_a_hybrid_pool_holds(config, ops, token_ids):
+    twins = Twins(config, token_ids)
+    for op in ops:
+        twins.apply(op)
+        twins.check()
+    assert twins.managers[1].windows.reporter is None  # no sink: the hooks cost one check
+    window_events = twins.sub.of(BlockStored, 1) + twins.sub.of(BlockRemoved, 1)
+    assert not twins.sub.of(BlockStored) or window_events, "the window groups report too"
 
 
 def _duplicate_then_evict(m: KVCacheManager) -> tuple:
@@ -392,3 +473,115 @@ def test_a_remembered_path_never_trusts_a_freed_duplicate(make_manager, policy, 
     assert e.blocks[0] is b.blocks[0] and e.num_cached_tokens == 4
     m.free(e)
     m.free(b)
+
+
+# --- window groups ----------------------------------------------------------------------
+
+
+def window_stored(digests: list[bytes], parent: bytes | None, tokens: list[int]) -> BlockStored:
+    """A ``BlockStored`` of ``WINDOW``'s window group (group_idx 1, 8 tokens)."""
+    return BlockStored(digests, parent, tokens, 4, None, MEDIUM_POOL, "int8", 1, SLIDING_WINDOW, 8)
+
+
+def test_a_hybrid_commit_stores_each_group_and_a_released_window_page_stays(make_manager):
+    m = make_manager(16, 4, groups=WINDOW)
+    sub = Subscriber()
+    m.set_event_sink(sub, token_ids=True, kv_cache_dtype="int8")
+    seq = admit_computed(m, "a", list(range(13)))
+    d = seq.full_block_digests()
+    assert sub.events == [
+        BlockStored(d, None, list(range(12)), 4, None, MEDIUM_POOL, "int8"),
+        window_stored(d, None, list(range(12))),
+    ]
+    assert seq.window_pages[0][0] is None and m.windows.page(seq.blocks[0], 0) is not None
+    m.free(seq)  # every page given back, still attached and matchable: nothing to send
+    assert len(sub.events) == 2
+    assert sub.held == pool_holdings(m) == {(digest, g) for digest in d for g in (0, 1)}
+
+
+def test_a_tombstone_removes_its_group_only_and_an_eviction_every_group(make_manager):
+    m = make_manager(16, 4, groups=WINDOW)
+    sub = Subscriber()
+    m.set_event_sink(sub)
+    d = admit_computed(m, "a", list(range(13))).full_block_digests()
+    m.free(m.sequences["a"])
+    assert m.windows.stale.size == 1  # block 0's page left the window mid-prompt
+    filler = m.admit("f", list(range(100, 120)))  # 5 blocks, 10 pages: the empty ones
+    assert sub.of(BlockRemoved) == []
+    tail = m.admit("g", [7])  # a block (the stale page: a tombstone), then a page (a victim)
+    assert sub.of(BlockRemoved) == [
+        BlockRemoved([d[0]], MEDIUM_POOL, 1),  # block 0 stays cached in the full group
+        BlockRemoved([d[2]], MEDIUM_POOL, 0),  # LRU's victim, the deepest block
+        BlockRemoved([d[2]], MEDIUM_POOL, 1),  # ... and its window page with it
+    ]
+    assert sub.held == pool_holdings(m) == {(d[0], 0), (d[1], 0), (d[1], 1)}
+    m.free(tail)
+    m.free(filler)
+
+
+def test_an_adopted_window_page_is_announced_alone(make_manager):
+    m = make_manager(32, 4, groups=WINDOW)
+    sub = Subscriber()
+    m.set_event_sink(sub, token_ids=True, kv_cache_dtype="int8")
+    tokens = list(range(24))
+    d = admit_computed(m, "a", tokens).full_block_digests()
+    m.free(m.sequences["a"])
+    assert (m.pool.empty_queue.size, m.windows.stale.size) == (20, 4)
+    m.free(m.admit("f", list(range(1000, 1048))))  # 24 pages: blocks 0-3 lose theirs
+    lost = [e.block_hashes[0] for e in sub.of(BlockRemoved, 1)]
+    assert lost == d[:4] and m.match(tokens[:12] + [99]) == 0
+    before = len(sub.events)
+    m.free(admit_computed(m, "b", tokens[:12] + [99]))  # recomputed: duplicates' pages adopted
+    assert m.stats.duplicate_blocks == 3
+    assert m.match(tokens[:12] + [99]) == 12
+    adopted = [e for e in sub.events[before:] if isinstance(e, BlockStored)]
+    assert sorted(adopted, key=lambda e: e.block_hashes) == sorted(
+        [window_stored([d[i]], None, tokens[4 * i : 4 * i + 4]) for i in range(3)],
+        key=lambda e: e.block_hashes,
+    )  # the full group announces nothing: its copies were indexed all along
+    assert sub.held == pool_holdings(m)
+    check_window_tokens(m, sub.of(BlockStored))
+
+
+def test_a_promoted_duplicate_announces_the_window_pages_it_holds(make_manager):
+    m = make_manager(24, 4, groups=WINDOW)
+    sub = Subscriber()
+    m.set_event_sink(sub)
+    tokens = list(range(13))
+    a = admit_computed(m, "a", tokens)
+    b = admit_computed(m, "b", tokens, min_hit_tokens=100)  # held duplicates of a's blocks
+    d = a.full_block_digests()
+    m.free(a)
+    filler = m.admit("f", list(range(100, 132)))  # evicts a's blocks 2 and 1 (LRU)
+    assert b.blocks[1].key is not None and b.blocks[2].key is not None  # promoted
+    for digest in d[1:]:  # a's page went with its block; b's (held) is matchable now
+        removed, stored = [e for e in sub.events if e.block_hashes == [digest]][-2:]
+        assert removed == BlockRemoved([digest], MEDIUM_POOL, 1)
+        assert stored == BlockStored([digest], None, [], 4, kv_cache_dtype=None, group_idx=1,
+                                     kv_cache_spec_kind=SLIDING_WINDOW,
+                                     kv_cache_spec_sliding_window=8)  # fmt: skip
+    assert sub.of(BlockRemoved, 0) == []  # the full group never lost them
+    assert sub.held == pool_holdings(m) >= {(digest, g) for digest in d[1:] for g in (0, 1)}
+    m.free(filler)
+    m.free(b)
+
+
+def test_a_late_sink_on_a_hybrid_pool_knows_its_pages_and_reset_clears_them(make_manager):
+    m = make_manager(16, 4, groups=WINDOW)
+    m.free(admit_computed(m, "a", list(range(13))))  # cached with no sink
+    sub = Subscriber()
+    held = pool_holdings(m)
+    sub.digests = {digest for digest, group in held if not group}  # a snapshot, then events
+    sub.windows = {pair for pair in held if pair[1]}
+    m.set_event_sink(sub)
+    m.set_event_sink(sub)  # setting it again does not report twice
+    m.free(m.admit("b", list(range(100, 132))))  # 8 blocks, 16 pages: evicts everything
+    assert sub.held == pool_holdings(m) == set()
+    removed = {(digest, e.group_idx) for e in sub.of(BlockRemoved) for digest in e.block_hashes}
+    assert removed == held
+    m.free(admit_computed(m, "c", list(range(9))))
+    assert m.reset() and sub.events[-1] == AllBlocksCleared() and sub.held == set()
+    m.set_event_sink(None)
+    assert m.windows.reporter is None
+    m.free(admit_computed(m, "d", list(range(9))))
+    assert sub.held == set()

@@ -121,12 +121,13 @@ def expected_wire(event: KVEvent) -> list[object]:
             event.medium,
             None,  # lora_name
             None,  # extra_keys (newer vLLM)
-            0,  # group_idx: the only group
-            "full_attention",  # kv_cache_spec_kind
+            event.group_idx,  # newer vLLM: the KV cache group (0: the full layers)
+            event.kv_cache_spec_kind,  # ... its kind
+            event.kv_cache_spec_sliding_window,  # ... and a window group's window
             event.kv_cache_dtype,  # ours, after vLLM's fields
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
+        return ["BlockRemoved", event.block_hashes, event.medium, event.group_idx]
     return ["AllBlocksCleared"]
 
 
@@ -177,7 +178,15 @@ def test_wire_format_matches_vllm(make_publisher: Callable[..., KVEventPublisher
     feed.pending = [
         BlockStored([d[1], d[2]], d[0], list(range(32)), 16, None, "cpu"),
         BlockStored([d[3]], d[2], lora_id=7),
+        BlockStored(
+            [d[3]],
+            d[2],
+            group_idx=2,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=512,
+        ),
         BlockRemoved([d[1], d[0]]),
+        BlockRemoved([d[3]], group_idx=2),
         AllBlocksCleared(),
     ]
     ctx = zmq.Context.instance()
@@ -237,10 +246,15 @@ def test_vllm_msgspec_structs_decode_our_payload() -> None:
         lora_id: int | None
         medium: str | None
         lora_name: str | None
+        extra_keys: list | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
 
     class Removed(Event, tag="BlockRemoved"):
         block_hashes: list[bytes | int]
         medium: str | None
+        group_idx: int | None = None
 
     class Cleared(Event, tag="AllBlocksCleared"):
         pass
@@ -251,10 +265,16 @@ def test_vllm_msgspec_structs_decode_our_payload() -> None:
     batch_type = msgspec.defstruct("Batch", fields, array_like=True, omit_defaults=True)
 
     d = digest("y")
-    payload = encode_batch(1.0, [BlockStored([d], None), BlockRemoved([d]), AllBlocksCleared()])
-    batch = msgspec.msgpack.Decoder(batch_type).decode(payload)
-    assert [type(e).__name__ for e in batch.events] == ["Stored", "Removed", "Cleared"]
+    window = BlockStored([d], None, group_idx=1, kv_cache_spec_kind="sliding_window",
+                         kv_cache_spec_sliding_window=64, kv_cache_dtype="int8")  # fmt: skip
+    events = [BlockStored([d], None), window, BlockRemoved([d], group_idx=1), AllBlocksCleared()]
+    batch = msgspec.msgpack.Decoder(batch_type).decode(encode_batch(1.0, events))
+    assert [type(e).__name__ for e in batch.events] == ["Stored", "Stored", "Removed", "Cleared"]
     assert batch.events[0].block_hashes == [d]
+    stored = batch.events[:2]
+    read = [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored]
+    assert read == [(0, "full_attention", None), (1, "sliding_window", 64)]  # then our dtype
+    assert batch.events[2].group_idx == 1
 
 
 # --- (2) token ids stay home unless enabled --------------------------------------------

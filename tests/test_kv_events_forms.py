@@ -31,8 +31,13 @@ ROUND: list[KVEvent] = [
     BlockRemoved([D[1]], "cpu"),
     AllBlocksCleared(),
 ]
-# Newer vLLM's fields after lora_name, as a pool with one full-attention group has them.
-NEWER_VLLM = {"extra_keys": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+# Newer vLLM's fields after lora_name, as a pool's full-attention group has them.
+NEWER_VLLM = {
+    "extra_keys": None,
+    "group_idx": 0,
+    "kv_cache_spec_kind": "full_attention",
+    "kv_cache_spec_sliding_window": None,
+}
 # The same round as vLLM names its fields (the map form's keys, the array form's positions).
 ROUND_AS_VLLM: list[dict[str, Any]] = [
     {"type": "BlockStored", "block_hashes": [D[0], D[1]], "parent_block_hash": None,
@@ -41,8 +46,8 @@ ROUND_AS_VLLM: list[dict[str, Any]] = [
     {"type": "BlockStored", "block_hashes": [D[2]], "parent_block_hash": None,
      "token_ids": [], "block_size": 4, "lora_id": None, "medium": "disk", "lora_name": None,
      **NEWER_VLLM, "kv_cache_dtype": "bfloat16"},
-    {"type": "BlockRemoved", "block_hashes": [D[2]], "medium": "disk"},
-    {"type": "BlockRemoved", "block_hashes": [D[1]], "medium": "cpu"},
+    {"type": "BlockRemoved", "block_hashes": [D[2]], "medium": "disk", "group_idx": 0},
+    {"type": "BlockRemoved", "block_hashes": [D[1]], "medium": "cpu", "group_idx": 0},
     {"type": "AllBlocksCleared"},
 ]  # fmt: skip
 
@@ -94,6 +99,46 @@ def test_both_forms_carry_the_same_events_with_vllms_names_and_positions() -> No
         encode_batch(1.5, ROUND, None, "json")
 
 
+# A hybrid pool's round: the full group and a window group (group_idx 1, 512 tokens).
+HYBRID_ROUND: list[KVEvent] = [
+    BlockStored([D[0], D[1]], None, [], 4, None, "cpu", "int8"),
+    BlockStored([D[0], D[1]], None, [], 4, None, "cpu", "int8", 1, "sliding_window", 512),
+    BlockRemoved([D[0]], "cpu", 1),
+    BlockRemoved([D[1]], "cpu", 0),
+]
+
+
+@pytest.mark.parametrize("wire_format", ["array", "map"])
+def test_group_fields_round_trip_in_either_form_at_vllms_positions(wire_format: str) -> None:
+    assert decode_batch(encode_batch(3.0, HYBRID_ROUND, None, wire_format)) == (3.0, HYBRID_ROUND)
+    _, items, _ = msgpack.unpackb(encode_batch(3.0, HYBRID_ROUND, None, wire_format))
+    if wire_format == "array":  # vLLM's order: ... group_idx, kind, window; then our dtype
+        assert items[1][9:] == [1, "sliding_window", 512, "int8"]
+        assert items[2] == ["BlockRemoved", [D[0]], "cpu", 1]
+    else:
+        assert items[1]["group_idx"] == 1 and items[1]["kv_cache_spec_sliding_window"] == 512
+        assert items[2] == {"type": "BlockRemoved", "block_hashes": [D[0]], "medium": "cpu",
+                            "group_idx": 1}  # fmt: skip
+
+
+def test_an_older_vllms_events_without_group_fields_are_the_full_group() -> None:
+    """vLLM before groups: no trailing fields, or nil ones; BlockRemoved of two fields."""
+    older = msgpack.packb(
+        [1.0, [["BlockStored", [D[0]], None, [], 16, None, "GPU", None],
+               ["BlockStored", [D[1]], D[0], [], 16, None, "GPU", None, None, None, None, None],
+               ["BlockRemoved", [D[0]], "GPU"],
+               {"type": "BlockRemoved", "block_hashes": [D[1]], "medium": "GPU",
+                "group_idx": None}], None]
+    )  # fmt: skip
+    _, events = decode_batch(older)
+    assert events == [
+        BlockStored([D[0]], None, [], 16, None, "GPU"),
+        BlockStored([D[1]], D[0], [], 16, None, "GPU"),
+        BlockRemoved([D[0]], "GPU"),
+        BlockRemoved([D[1]], "GPU"),
+    ]
+
+
 def test_vllms_msgspec_structs_without_array_like_decode_the_map_form() -> None:
     """The newer vLLM (and TensorRT-LLM) event structs: tagged maps in a positional batch."""
     import msgspec
@@ -112,10 +157,12 @@ def test_vllms_msgspec_structs_without_array_like_decode_the_map_form() -> None:
         extra_keys: list | None = None
         group_idx: int | None = None
         kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
 
     class BlockRemoved(Event):
         block_hashes: list[bytes | int]
         medium: str | None
+        group_idx: int | None = None
 
     class AllBlocksCleared(Event):
         pass
@@ -125,9 +172,13 @@ def test_vllms_msgspec_structs_without_array_like_decode_the_map_form() -> None:
     batch_type = msgspec.defstruct("Batch", fields, array_like=True, omit_defaults=True)
     batch = msgspec.msgpack.Decoder(batch_type).decode(encode_batch(2.0, ROUND, None, "map"))
     as_dicts = [msgspec.to_builtins(e, builtin_types=(bytes,)) for e in batch.events]
-    # vLLM's struct has no kv_cache_dtype (ours): it reads the rest, and drops a nil default
+    # vLLM's struct has no kv_cache_dtype (ours): it reads the rest, and drops nil defaults
     vllms = [
-        {k: v for k, v in e.items() if k not in ("kv_cache_dtype", "extra_keys")}
+        {
+            k: v
+            for k, v in e.items()
+            if k not in ("kv_cache_dtype", "extra_keys", "kv_cache_spec_sliding_window")
+        }
         for e in ROUND_AS_VLLM
     ]
     assert as_dicts == vllms

@@ -3,7 +3,8 @@
 A DEALER on 127.0.0.1 plays the attacker against a real publisher: malformed replay
 requests of every shape, the issue's 9-byte ``ff`` start, frames too big for libzmq to
 accept, a request of many frames, a huge subscription. After each, an honest replay still
-gets its batches, the PUB socket still publishes, and the thread is alive.
+gets its batches, the PUB socket still publishes, and the thread is alive. A peer's events
+with KV cache group fields of the wrong type read as if the fields were absent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,10 +29,13 @@ from event_fixtures import (
     publishers,
     replay_holds,
 )
+from prefixcache.cache.events import BlockRemoved, BlockStored
 from prefixcache.protocol.kv_events import (
     END_SEQ,
     MAX_REPLAY_FRAME_BYTES,
     REPLAY_PROBLEMS,
+    WIRE_FIELDS,
+    decode_batch,
     parse_replay_request,
 )
 from prefixcache.server.events import KVEventPublisher
@@ -193,3 +198,59 @@ def test_parse_replay_request_never_raises(frames: list[bytes]) -> None:
     if request.problem is None:
         assert len(frames[-1]) == 8 and request.start == int.from_bytes(frames[-1], "big")
         assert request.envelope == frames[:-1]
+
+
+# --- a peer's group fields --------------------------------------------------------------
+
+D = b"\x11" * 32
+# Wrong for group_idx and the window (each reads as absent: group 0, no window); a string is
+# a kind (an unknown one is kept), anything else reads as full attention.
+BAD_GROUP_VALUES = ["1", -1, True, 1.5, b"\x01", [1], {"a": 1}, None]
+GROUP_FIELDS = ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+WIRE_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),  # what msgpack can carry
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.lists(st.integers(0, 9), max_size=2),
+)
+
+
+def _stored_wire(**fields: object) -> list[object]:
+    """A BlockStored tagged array of one block with ``fields`` set (vLLM's positions)."""
+    values = {"block_hashes": [D], "parent_block_hash": None, "token_ids": [], "block_size": 4}
+    values.update(fields)
+    return ["BlockStored", *(values.get(name) for name in WIRE_FIELDS["BlockStored"])]
+
+
+def _as_map(item: list[object]) -> dict[str, object]:
+    """A tagged array in the map form."""
+    return {"type": item[0], **dict(zip(WIRE_FIELDS[str(item[0])], item[1:], strict=True))}
+
+
+@pytest.mark.parametrize("value", BAD_GROUP_VALUES, ids=repr)
+@pytest.mark.parametrize("form", ["array", "map"])
+def test_group_fields_of_the_wrong_type_read_as_absent(value: object, form: str) -> None:
+    stored = _stored_wire(**dict.fromkeys(GROUP_FIELDS, value))
+    removed = ["BlockRemoved", [D], "cpu", value]
+    items = [stored, removed] if form == "array" else [_as_map(stored), _as_map(removed)]
+    _, events = decode_batch(msgpack.packb([1.0, items, None]))
+    kind = value if isinstance(value, str) else "full_attention"
+    assert events == [
+        BlockStored([D], None, [], 4, None, None, kv_cache_spec_kind=kind),
+        BlockRemoved([D], "cpu"),
+    ]
+
+
+@given(st.fixed_dictionaries({}, optional=dict.fromkeys(GROUP_FIELDS, WIRE_VALUES)))
+def test_decoding_group_fields_never_raises(fields: dict[str, object]) -> None:
+    removed = ["BlockRemoved", [D], "cpu", fields.get("group_idx")]
+    payload = msgpack.packb([1.0, [_stored_wire(**fields), removed], None])
+    _, (stored, gone) = decode_batch(payload)
+    for event in (stored, gone):
+        assert type(event.group_idx) is int and event.group_idx >= 0
+    assert isinstance(stored.kv_cache_spec_kind, str)
+    window = stored.kv_cache_spec_sliding_window
+    assert window is None or (type(window) is int and window >= 1)

@@ -132,3 +132,62 @@ def test_a_stopped_and_detached_feed_changes_nothing(make_publisher) -> None:
     publish_and_wait(publisher, BlockStored(chain("late", 2), None))
     assert index.overlap(REPLICA, chain("late", 2)) == Overlap(0, 0)
     assert index.replicas() == []
+
+
+WINDOW_KIND = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+
+
+@pytest.mark.parametrize("wire_format", ["array", "map"])
+def test_a_feed_scores_on_full_groups_and_skips_window_groups(make_publisher, wire_format) -> None:
+    publisher = make_publisher(wire_format=wire_format)
+    index = GlobalIndex()
+    feed = EventFeed(REPLICA, endpoints(publisher), index, None, poll_ms=10).start()
+    doc, windowed, second = chain("doc", 4), chain("windowed", 2), chain("second", 2)
+    try:
+        assert feed.synced.wait(5)
+        publish_and_wait(
+            publisher,
+            BlockStored(doc, None),
+            BlockStored(doc, None, group_idx=1, **WINDOW_KIND),
+            BlockStored(windowed, None, group_idx=1, **WINDOW_KIND),  # a window group only
+            BlockRemoved(doc[:2], group_idx=1),  # tombstones: the full layers keep them
+            BlockRemoved(doc[2:], group_idx=3),  # a group never announced: not a full one
+            BlockStored(second, None, group_idx=2),  # a second full group (vLLM may have one)
+        )
+        wait_until(lambda: feed.stats.events == 6, what="the events")
+        assert index.overlap(REPLICA, doc) == Overlap(4, 0)
+        assert index.overlap(REPLICA, windowed) == Overlap(0, 0)
+        assert index.overlap(REPLICA, second) == Overlap(2, 0)
+        publish_and_wait(publisher, BlockRemoved(second[1:], group_idx=2), BlockRemoved(doc[3:]))
+        wait_until(lambda: feed.stats.events == 8, what="the full groups' removals")
+        assert index.overlap(REPLICA, second) == Overlap(1, 0)
+        assert index.overlap(REPLICA, doc) == Overlap(3, 0)
+    finally:
+        feed.stop(join_s=2)
+
+
+def test_a_hybrid_replicas_events_leave_the_index_with_its_full_layers(make_publisher) -> None:
+    """A real hybrid pool's events (window pages evicted, blocks evicted) through a feed."""
+    from prefixcache import KVCacheManager
+    from prefixcache.cache.groups import KVGroupSpec
+
+    publisher = make_publisher()
+    index = GlobalIndex()
+    feed = EventFeed(REPLICA, endpoints(publisher), index, None, poll_ms=10).start()
+    m = KVCacheManager(16, 4, groups=[KVGroupSpec(1), KVGroupSpec(1, 8)])
+    published: list[object] = []
+    m.set_event_sink(lambda event: (published.append(event), publisher.publish(event)))
+    try:
+        assert feed.synced.wait(5)
+        for i, tokens in enumerate([list(range(25)), list(range(100, 113)), [7] * 9]):
+            seq = m.admit(f"r{i}", tokens)
+            m.commit(seq, len(tokens))
+            m.free(seq)
+        assert m.stats.window_pages_evicted and m.stats.evictions  # both kinds of removal
+        wait_until(lambda: feed.stats.events == len(published), what="every event")
+        assert any(getattr(event, "group_idx", 0) for event in published)
+        indexed = [block.digest for block in m.pool.cached.values()]
+        assert index.counts(REPLICA).pool == len(indexed)
+        assert all(index.holders(digest) == {REPLICA} for digest in indexed)
+    finally:
+        feed.stop(join_s=2)

@@ -4,8 +4,9 @@ Every commit writes the sequence's token ids into ``shadow[(block id, slot)]``, 
 engine writes K/V. After every step each live sequence must read back exactly its own
 computed tokens through its block table: a block evicted while in use, a stale mapping,
 a shared block written without copy-on-write, all show up as another request's tokens.
-The machine also subscribes to the KV events: the digests they add and remove must always
-be exactly those of the pool's indexed blocks. Requests belong to owners; the ``Fair``
+The machine also subscribes to the KV events: the (digest, group) pairs they add and remove
+must always be exactly what the pool can match, its indexed blocks (group 0) and, in a
+hybrid pool, each window group's pages attached to them. Requests belong to owners; the ``Fair``
 variants give the pool owner shares, and ``check_invariants`` then also proves the
 per-owner counts add up to the pool. Owners also retain prefixes for a few seconds of a fake
 clock that the machine advances, so retained blocks are held, freed, hit, expired, swept and
@@ -31,6 +32,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from conftest import pool_holdings
 from prefixcache import CapacityError, KVCacheManager
 from prefixcache.cache.common import cdiv
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -76,7 +78,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.shadow: dict[tuple[int, int], int] = {}
         self.next_id = 0
-        self.event_digests: set[bytes] = set()  # what a subscriber believes is cached
+        self.event_held: set[tuple[bytes, int]] = set()  # (digest, group) a subscriber knows
         self.manager.set_event_sink(self._on_event)
 
     now = 0.0
@@ -86,12 +88,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _on_event(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
-            self.event_digests.update(event.block_hashes)
+            self.event_held.update((digest, event.group_idx) for digest in event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            self.event_digests.difference_update(event.block_hashes)
+            self.event_held.difference_update((d, event.group_idx) for d in event.block_hashes)
         else:
             assert isinstance(event, AllBlocksCleared)
-            self.event_digests.clear()
+            self.event_held.clear()
 
     def _new_id(self) -> str:
         self.next_id += 1
@@ -301,9 +303,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.manager.check_invariants()
 
     @invariant()
-    def events_rebuild_the_indexed_digests(self):
-        indexed = {block.digest for block in self.manager.pool.cached.values()}
-        assert self.event_digests == indexed
+    def events_rebuild_what_every_group_holds(self):
+        assert self.event_held == pool_holdings(self.manager)
 
     def teardown(self):
         for seq in list(self.manager.sequences.values()):

@@ -246,6 +246,8 @@ class BlockPool:
             del self.duplicates[block.uid]
         heir.key = block.key
         self.cached.replace(heir)
+        if self.windows is not None and self.windows.reporter is not None:
+            self.windows.reporter.promoted(heir)  # its held pages are matchable now
 
     def _drop_duplicate(self, block: Block) -> None:
         """A duplicate nobody holds any more: unlist it and clear its identity."""

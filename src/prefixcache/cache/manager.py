@@ -11,7 +11,13 @@ from prefixcache.cache import integrity
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.blocks import Block
 from prefixcache.cache.common import DEFAULT_BLOCK_SIZE, TOKEN_BYTES, cdiv
-from prefixcache.cache.events import MEDIUM_POOL, AllBlocksCleared, BlockStored, RemovalReporter
+from prefixcache.cache.events import (
+    MEDIUM_POOL,
+    AllBlocksCleared,
+    BlockStored,
+    RemovalReporter,
+    WindowReporter,
+)
 from prefixcache.cache.groups import KVGroupSpec, window_sizes
 from prefixcache.cache.hashing import (
     ROOT_UID,
@@ -67,6 +73,7 @@ class KVCacheManager:
     _event_token_ids = False
     _event_kv_dtype: str | None = None
     removals: RemovalReporter | None = None  # while events are reported
+    window_events: WindowReporter | None = None  # ... by a pool with window groups
 
     def __init__(
         self,
@@ -141,14 +148,28 @@ class KVCacheManager:
 
         ``BlockStored`` when content becomes matchable (with the pool's ``kv_cache_dtype``,
         if given), ``BlockRemoved`` when its last indexed copy leaves the pool,
-        ``AllBlocksCleared`` on ``reset``.
+        ``AllBlocksCleared`` on ``reset``. A window group's events (``group_idx`` g + 1)
+        follow its pages of indexed blocks (``WindowReporter``).
         """
         self._event_sink = sink
         self._event_token_ids = token_ids
         self._event_kv_dtype = kv_cache_dtype
         if self.removals is not None:
             self.removals.detach()
+        if self.window_events is not None:
+            self.window_events.detach()
         self.removals = None if sink is None else RemovalReporter(self.pool, sink)
+        self.window_events = (
+            None
+            if sink is None or self.windows is None
+            else WindowReporter(
+                self.pool,
+                self.windows,
+                sink,
+                token_ids=token_ids,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+        )
 
     def record_reused_blocks(self) -> None:
         """From now on, remember every block id handed out (see ``pop_reused_blocks``)."""
@@ -607,6 +628,28 @@ class KVCacheManager:
             kv_cache_dtype=self._event_kv_dtype,
         )
         self._event_sink(event)
+        if self.window_events is not None:
+            self._announce_windows(seq, first, end)
+
+    def _announce_windows(self, seq: Sequence, first: int, end: int) -> None:
+        """Per window group, one ``BlockStored`` per run of blocks [first, end) of ``seq``
+        with a page in it (each hanging from the block before it, as in group 0)."""
+        windows, reporter, size = self.windows, self.window_events, self.block_size
+        assert windows is not None and reporter is not None
+        blocks, tokens = seq.blocks, seq.token_ids if self._event_token_ids else None
+        for group in range(windows.num_groups):
+            start = first
+            for index in range(first, end + 1):
+                if index < end and windows.page(blocks[index], group) is not None:
+                    continue
+                if start < index:
+                    reporter.announce(
+                        group,
+                        [block.digest for block in blocks[start:index]],
+                        blocks[start - 1].digest if start else None,
+                        [] if tokens is None else tokens[start * size : index * size],
+                    )
+                start = index + 1
 
     def _copy_last_block(self, seq: Sequence) -> None:
         """Copy-on-write: give ``seq`` a private copy of its shared partial last block."""

@@ -7,18 +7,23 @@ two queues: ``stale`` (out of a window mid-run: evicted before anything else) an
 (the windows a follow-up needs: the end of a prompt and of an answer; evicted only when
 nothing else is free, or with their logical block). Evicting a page leaves its logical
 block in place without it (a tombstone, in SGLang's words), so a full-group hit survives
-and only the window groups' part is recomputed. Pure Python, no torch.
+and only the window groups' part is recomputed. While KV events are on, a ``reporter``
+hears of pages attached to or detached from an indexed logical block. Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.blocks import Block, FreeBlockQueue
 from prefixcache.cache.common import cdiv, require
 from prefixcache.cache.groups import KVGroupSpec, longest_hit
 from prefixcache.cache.sequence import NO_PAGE, Sequence
 from prefixcache.cache.stats import CacheStats
+
+if TYPE_CHECKING:
+    from prefixcache.cache.events import WindowReporter
 
 Rows = list[list[Block | None]]  # per window group, a page (or None) per block of a sequence
 
@@ -41,6 +46,7 @@ class WindowPages:
         self.in_kept: set[int] = set()
         self.twins: dict[int, Block] = {}  # duplicate's id -> the indexed copy (``adopt``)
         self.counts = [0] * len(windows)  # pages attached now, per window group
+        self.reporter: WindowReporter | None = None  # KV events of indexed blocks' pages
 
     @property
     def num_groups(self) -> int:
@@ -188,6 +194,8 @@ class WindowPages:
         pages[group] = page
         self.home[page.block_id] = (logical, group)
         self.counts[group] += 1
+        if self.reporter is not None and logical.key is not None:
+            self.reporter.attached(logical, group)  # an adopted page
 
     def acquire(self, pages: list[Block]) -> None:
         """A reference on each attached page (a hit in a window, a fork)."""
@@ -258,6 +266,8 @@ class WindowPages:
                 del self.home[page.block_id]
                 self.counts[group] -= 1
                 dropped.append(page)
+                if self.reporter is not None and logical.key is not None:
+                    self.reporter.detached(logical, group)
         return dropped
 
     def detach(self, page: Block) -> None:
@@ -266,6 +276,8 @@ class WindowPages:
         pages = self.attached[logical.block_id]
         pages[group] = None
         self.counts[group] -= 1
+        if self.reporter is not None and logical.key is not None:
+            self.reporter.detached(logical, group)  # a tombstone
         if not any(pages):
             del self.attached[logical.block_id]
             self.twins.pop(logical.block_id, None)

@@ -5,20 +5,26 @@ Each batch is one PUB message of three frames, ``[topic, seq, payload]``: ``seq`
 with each event an array tagged by its class name, field order as in vLLM::
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-     medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_dtype]
-    ["BlockRemoved", block_hashes, medium]
+     medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+     kv_cache_spec_sliding_window, kv_cache_dtype]
+    ["BlockRemoved", block_hashes, medium, group_idx]
     ["AllBlocksCleared"]
 
 vLLM encodes these with msgspec ``array_like=True`` structs, where ``omit_defaults`` has no
 effect: every field is written, ``None`` as nil, and a decoder ignores extra trailing
-elements. ``extra_keys``, ``group_idx`` and ``kv_cache_spec_kind`` are newer vLLM's
-(written nil, 0, "full_attention": one pool where every layer keeps every token), and
-``kv_cache_dtype`` is ours, after them ("float32", "bfloat16", "int8": vLLM has no such
-field; a reader of vLLM's schema ignores it). That is the ``array`` form; the ``map`` form
+elements. ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind`` and
+``kv_cache_spec_sliding_window`` are newer vLLM's: extra keys are written nil (the salt and
+LoRA are in the digest); ``group_idx`` is the KV cache group (0: the full layers,
+``"full_attention"``, window nil; a hybrid pool's window group g: g + 1,
+``"sliding_window"``, its window in tokens), on ``BlockRemoved`` too (whose group's kind
+came with its ``BlockStored``). ``kv_cache_dtype`` is ours, after them ("float32",
+"bfloat16", "int8": vLLM has no such field; a reader of vLLM's schema ignores it). A group
+field of the wrong type from a peer (a string for ``group_idx``, a negative group) reads as
+absent: group 0, full attention, no window. That is the ``array`` form; the ``map`` form
 (newer vLLM, TensorRT-LLM: event structs without ``array_like``) writes each event as a
 map tagged by ``"type"`` with the same field names, ``{"type": "BlockRemoved",
-"block_hashes": [...], "medium": "cpu"}``, inside the same positional batch.
-``decode_batch`` reads both.
+"block_hashes": [...], "medium": "cpu", "group_idx": 0}``, inside the same positional
+batch. ``decode_batch`` reads both.
 
 A replay client sends ``[b"", start]`` (8 bytes, big-endian) to the ROUTER and gets every
 buffered batch with ``seq >= start`` as ``[b"", seq, payload]``, then the end marker
@@ -32,7 +38,7 @@ where a restart shows as ``seq`` going back to 0.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -61,9 +67,10 @@ WIRE_FIELDS: dict[str, tuple[str, ...]] = {
         "extra_keys",
         "group_idx",
         "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
         "kv_cache_dtype",
     ),
-    "BlockRemoved": ("block_hashes", "medium"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
 _RECORDS: dict[str, type[KVEvent]] = {
@@ -73,13 +80,22 @@ _RECORDS: dict[str, type[KVEvent]] = {
 }
 
 
-# What newer vLLM's trailing fields are for every block here: no extra keys (the salt and
-# LoRA are in the digest), the only KV cache group, full attention.
-VLLM_GROUP_FIELDS = (None, 0, "full_attention")
+def _whole(value: Any, least: int) -> bool:
+    """An int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# A group field read from the wire is kept only if it passes its check (else: its default).
+_GROUP_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "group_idx": lambda value: _whole(value, 0),
+    "kv_cache_spec_kind": lambda value: isinstance(value, str),
+    "kv_cache_spec_sliding_window": lambda value: _whole(value, 1),
+}
 
 
 def _event_to_wire(event: KVEvent) -> list[Any]:
-    """One event as vLLM's tagged array (``lora_name`` is always nil here), then ours."""
+    """One event as vLLM's tagged array (``lora_name`` and ``extra_keys`` are always nil
+    here), then ours."""
     if isinstance(event, BlockStored):
         return [
             "BlockStored",
@@ -90,11 +106,14 @@ def _event_to_wire(event: KVEvent) -> list[Any]:
             event.lora_id,
             event.medium,
             None,
-            *VLLM_GROUP_FIELDS,
+            None,
+            event.group_idx,
+            event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
             event.kv_cache_dtype,
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), event.medium]
+        return ["BlockRemoved", list(event.block_hashes), event.medium, event.group_idx]
     if isinstance(event, AllBlocksCleared):
         return ["AllBlocksCleared"]
     raise TypeError(f"not a KV event: {type(event).__name__}")
@@ -138,8 +157,12 @@ def _event_from_wire(item: Any) -> KVEvent | None:
     record = _RECORDS.get(tag) if isinstance(tag, str) else None
     if record is None:
         return None  # an event kind we do not track (vLLM has transfer events too)
-    known = {f.name for f in fields(record)}  # lora_name, extra_keys, group_idx: in the digest
-    return record(**{name: value for name, value in values.items() if name in known})
+    known = {f.name for f in fields(record)}  # lora_name, extra_keys: in the digest
+    kept = {name: value for name, value in values.items() if name in known}
+    for name, check in _GROUP_CHECKS.items():
+        if name in kept and not check(kept[name]):
+            del kept[name]  # nil, or a peer's wrong type: the default
+    return record(**kept)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:

@@ -5,6 +5,11 @@ cached before the router came up, or while the router was down), then reads the 
 stream through ``KVEventSubscriber``, which fills gaps by replay. A batch already applied
 from the first replay is skipped, so each batch counts once. A new topic (the replica's
 epoch changed: it restarted) clears the replica's entries before its new events apply.
+
+The router scores on full-attention KV cache groups only: a window group holds only the
+last blocks its requests read, and its removals say nothing of the full layers. A feed
+learns each ``group_idx``'s kind from its ``BlockStored`` events and skips the window
+groups' events (a nil ``group_idx``, from an older vLLM, reads as 0: the one full group).
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ from typing import NamedTuple
 
 import zmq
 
-from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixcache.cache.events import (
+    SLIDING_WINDOW,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from prefixcache.protocol.event_subscriber import (
     BatchesLost,
     EpochChange,
@@ -30,6 +41,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 50  # how long a poll waits: also how quickly stop() is noticed
 REPLAY_TIMEOUT_S = 2.0
+MAX_GROUPS = 256  # group kinds a feed remembers (a peer cannot grow it without bound)
 
 
 class EventEndpoints(NamedTuple):
@@ -89,6 +101,7 @@ class EventFeed:
         self.synced = threading.Event()  # set once the first replay has been applied
         self._generation = index.attach(replica, tier_medium)
         self._applied = -1  # last seq applied on self.topic
+        self._full_groups: dict[int, bool] = {}  # group_idx -> full attention, as learned
         self._poll_ms = poll_ms
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-feed {replica}", daemon=True)
@@ -154,11 +167,25 @@ class EventFeed:
 
     def _apply_event(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
-            self.index.store(self.replica, self._generation, event.block_hashes, event.medium)
+            if self._learn(event):
+                self.index.store(self.replica, self._generation, event.block_hashes, event.medium)
         elif isinstance(event, BlockRemoved):
-            self.index.remove(self.replica, self._generation, event.block_hashes, event.medium)
+            if self._is_full(event.group_idx):
+                self.index.remove(self.replica, self._generation, event.block_hashes, event.medium)
         elif isinstance(event, AllBlocksCleared):
             self.index.clear_pool(self.replica, self._generation)
+
+    def _learn(self, event: BlockStored) -> bool:
+        """Remember the kind of ``event``'s group; whether it is a full-attention group."""
+        full = event.kv_cache_spec_kind != SLIDING_WINDOW
+        groups = self._full_groups
+        if event.group_idx in groups or len(groups) < MAX_GROUPS:
+            groups[event.group_idx] = full
+        return full
+
+    def _is_full(self, group: int) -> bool:
+        """A group learned as full, or group 0 before any of its events (vLLM's one group)."""
+        return self._full_groups.get(group, group == 0)
 
     def _new_epoch(self, topic: bytes) -> bool:
         """The replica restarted: drop its entries and follow the new topic from seq 0."""
@@ -172,6 +199,7 @@ class EventFeed:
             topic.decode(errors="replace"),
         )
         self._generation, self.topic, self._applied = generation, topic, -1
+        self._full_groups.clear()  # a restarted replica may have another layout
         self.stats.epochs += 1
         return True
 
