@@ -159,6 +159,17 @@ def run_to_completion(engine: LLMEngine) -> dict:
     return finals
 
 
+def serve_in_turn(engine: LLMEngine, prompts: list[list[int]], params, prefix: str = "r") -> list:
+    """Run prompts one at a time, each after the last one's tier writes landed."""
+    outputs = []
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}{index}", prompt, params)
+        outputs.append(run_to_completion(engine)[f"{prefix}{index}"])
+        if engine.tier is not None:
+            assert engine.tier.client.flush(timeout=10)
+    return outputs
+
+
 def assert_pool_clean(engine: LLMEngine) -> None:
     """No request left, every block free, and the cache's invariants hold."""
     assert not engine.requests

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
+from engine_fixtures import assert_pool_clean, serve_in_turn, tiny_engine
 from prefixcache.engine.sampling import SamplingParams
 from redis_fixtures import redis_server
 
@@ -27,14 +27,7 @@ def workload(seed: int, count: int = 14) -> list[list[int]]:
 
 
 def serve(engine, prompts: list[list[int]], prefix: str = "r") -> list:
-    """Run prompts one at a time, each after the last one's tier writes landed."""
-    outputs = []
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"{prefix}{index}", prompt, GREEDY)
-        outputs.append(run_to_completion(engine)[f"{prefix}{index}"])
-        if engine.tier is not None:
-            engine.tier.client.flush(timeout=10)
-    return outputs
+    return serve_in_turn(engine, prompts, GREEDY, prefix)
 
 
 def tokens(outputs: list) -> list[list[int]]:

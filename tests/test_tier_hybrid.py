@@ -13,7 +13,12 @@ from functools import cache
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine, tiny_gemma_model
+from engine_fixtures import (
+    assert_pool_clean,
+    serve_in_turn,
+    tiny_engine,
+    tiny_gemma_model,
+)
 from prefixcache.cache.events import BlockStored
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.tier_link import Fetched, usable_end
@@ -29,14 +34,7 @@ def gemma_engine(**options: object):
 
 
 def serve(engine, prompts: list[list[int]], prefix: str = "r") -> list:
-    """Run prompts one at a time, each after the last one's tier writes landed."""
-    outputs = []
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"{prefix}{index}", prompt, GREEDY)
-        outputs.append(run_to_completion(engine)[f"{prefix}{index}"])
-        if engine.tier is not None:
-            assert engine.tier.client.flush(timeout=10)
-    return outputs
+    return serve_in_turn(engine, prompts, GREEDY, prefix)
 
 
 @cache
