@@ -171,13 +171,13 @@ def test_base_model_serves_completions_and_refuses_chat_naming_the_flag(served: 
 
 
 def test_hybrid_layout_keeps_windows_only_and_decodes_as_the_full_layout(gemma, text_ids):
-    """The hybrid pool (the default) against the all-full one, caching off: a document, a
-    follow-up that hits it whole, then pressure evicts the oldest window pages, so a prompt
-    whose full-layer hit lies inside them is a window-caused miss: recomputed, never wrong,
-    and its recomputed window is kept for the next one (no churn)."""
+    """The hybrid pool (the default) against the all-full one (whose cache is the one every
+    other test checks against caching off): a document, a follow-up that hits it whole, then
+    pressure evicts the oldest window pages, so a prompt whose full-layer hit lies inside
+    them is a window-caused miss: recomputed, never wrong, and its recomputed window is kept
+    for the next one (no churn)."""
     hybrid = LLMEngine(gemma, EngineConfig(num_kv_blocks=60))
     full = LLMEngine(gemma, EngineConfig(num_kv_blocks=60, kv_layout="full"))
-    full.manager.enable_caching = False
     assert hybrid.layout.pages_per_block == 6  # 1 full + 5 window groups of 3 layers
     assert hybrid.kv_store.nbytes == full.kv_store.nbytes  # blocks every layer holds
     question = gemma.tokenizer.encode("\nQuestion: which rule is first?")
