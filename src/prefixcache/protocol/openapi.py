@@ -212,6 +212,30 @@ class ResetReport(BaseModel):
     detail: str
 
 
+class CachedPrefix(BaseModel):
+    """One deepest cached chain: its last block's digest (hex, cut), depth and holders."""
+
+    digest: str
+    blocks: int
+    tokens: int
+    holders: int
+
+
+class PrefixList(BaseModel):
+    """``GET /admin/prefixes``: the deepest cached chains, deepest first (never tokens)."""
+
+    block_size: int
+    prefixes: list[CachedPrefix]
+
+
+PREFIXES_QUERY = {  # GET /admin/prefixes: read by the handler itself
+    "parameters": [
+        {"name": "limit", "in": "query", "required": False,
+         "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+    ]
+}  # fmt: skip
+
+
 DESCRIPTIONS = {
     400: "Malformed JSON or HTTP, or a field out of range (the message names it and its limit)",
     401: "Missing or unknown API key",
