@@ -67,7 +67,7 @@ def admit_computed(manager: KVCacheManager, request_id: str, tokens: list[int], 
 # differentials). `make test` (CI) runs everything, these included.
 QUICK_FILES = frozenset(
     {
-        "test_block_pool.py", "test_explain.py", "test_fair_admission.py",
+        "test_block_pool.py", "test_cache_chains.py", "test_explain.py", "test_fair_admission.py",
         "test_fair_cache.py", "test_hashing.py", "test_kv_events.py", "test_lab.py",
         "test_manager.py", "test_retention.py", "test_router_index.py",
         "test_router_policy.py", "test_rule_citations.py", "test_rules.py", "test_sampling.py",

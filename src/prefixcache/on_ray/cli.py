@@ -32,6 +32,7 @@ from prefixcache.shutdown import (
     kill_descendants,
     sigterm_as_ctrl_c,
 )
+from prefixcache.tools.top import watch_line
 
 ROUTINGS = ("prefixcache", "ray")
 READY_TIMEOUT_S = 600.0
@@ -158,6 +159,9 @@ def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
         route_prefix = "/" if args.routing == "ray" else None
         serve.run(build_app(engine, ingress, scaling), name=APP_NAME, route_prefix=route_prefix)
         print(_ready_line(args), flush=True)
+        if args.routing == "prefixcache":
+            url, keyed = router_url(args.host, args.port), bool(args.api_key_file)
+            print(f"prefixcache ray: {watch_line(url, keyed)}", flush=True)
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ from prefixcache.shutdown import (
     kill_all,
     with_parent_death,
 )
+from prefixcache.tools.top import watch_line
 
 EMBEDDED_REDIS = "redis://embedded"
 RESTART_BACKOFF_S = 2.0
@@ -316,6 +317,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             + ("; embedded Redis for the KV tier" if plan.redis else ""),
             flush=True,
         )
+        url, keyed = router_url(args.host, args.port), bool(args.api_key_file)
+        print(f"prefixcache cluster: {watch_line(url, keyed)}", flush=True)
         print(
             f"prefixcache cluster: waiting for {len(plan.urls)} replicas to load the model "
             "(the router answers 503 until one is ready)...",
