@@ -67,6 +67,17 @@ def tokens(url: str, prompt: str) -> list[int]:
     return reply.json()["tokens"]
 
 
+def fork(prompts: list[list[int]]) -> tuple[int, int]:
+    """The deepest full block more than one prompt extends, and by how many blocks."""
+    chunks = [tuple(tuple(p[i : i + 4]) for i in range(0, len(p) // 4 * 4, 4)) for p in prompts]
+    children: dict[tuple, set] = {}
+    for chain in chunks:
+        for depth in range(1, len(chain)):
+            children.setdefault(chain[:depth], set()).add(chain[depth])
+    deepest = max((len(k), len(v)) for k, v in children.items() if len(v) > 1)
+    return deepest
+
+
 def by_state(url: str) -> dict[str, int]:
     text = httpx.get(f"{url}/metrics", headers=ADMIN, timeout=10).text
     return {
@@ -99,22 +110,26 @@ def test_one_frame_shows_the_pool_as_metrics_say_and_prefixes_by_digest_only(ser
         assert re.search(rf"^\s*\S {state}\s+{count:,}\s", frame, re.M), (state, frame)
     hit = re.search(r"^\s*([\d.]+)%\s+[\d.]+ s\s", frame, re.M)  # the hit-rate cell
     assert hit and float(hit.group(1)) > 0, frame
-    # The deepest chain is the longest prompt's full blocks, named by its last block's digest.
-    longest = tokens(replica.url, prompts[-1])
+    # The first row is where the prompts part: the deepest block that more than one of them
+    # extends, named by its digest, with as many branches as prompts part there.
+    ids = [tokens(replica.url, prompt) for prompt in prompts]
+    blocks, branches = fork(ids)
     health = httpx.get(f"{replica.url}/health").json()
     tenant = servers.tenants.authenticate(ADMIN["Authorization"])
     salt = servers.tenants.cache_salt(tenant, None)
-    chain = prompt_digests(bytes.fromhex(health["namespace_digest"]), 4, [*longest, 0], salt)
-    blocks = len(longest) // 4
-    assert len(chain) == blocks
-    row = rf"^\s*{chain[-1].hex()[:12]}\s+{blocks * 4}\s+{blocks}\s+0\s*$"
-    assert re.search(row, frame, re.M), frame
+    chain = prompt_digests(bytes.fromhex(health["namespace_digest"]), 4, ids[0], salt)
+    first = re.search(r"longest shared prefixes *\n.*\n(.*)\n", frame)
+    assert first, frame
+    expected = [chain[blocks - 1].hex()[:12], str(blocks * 4), str(blocks), str(branches), "0"]
+    assert first.group(1).split() == expected, frame
     assert "zebrafinch" not in frame and "Who?" not in frame  # never prompt text
     assert not re.search(r"\b\d+(, \d+){3,}", frame)  # nor a list of token ids
 
 
 def test_a_key_file_needs_an_admin_key(servers):
     url = servers.replicas[0].url
+    watch = f"watch it: prefixcache top {url} --api-key <an admin key>"
+    assert watch in servers.replicas[0].log_path.read_text()  # what serve says at start-up
     without = run_top(url, "--once")
     assert without.returncode == 2 and without.stdout == ""
     assert without.stderr.count("\n") == 1 and "--api-key" in without.stderr, without.stderr

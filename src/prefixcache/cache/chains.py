@@ -1,9 +1,11 @@
-"""The pool's blocks by state, and its deepest cached chains: what ``prefixcache top`` shows
-of a replica's cache. Counts, digests and depths only, never tokens."""
+"""The pool's blocks by state, and where its cached chains fork and end (the longest shared
+prefixes): what ``prefixcache top`` shows of a replica's cache. Counts, digests and depths
+only, never tokens."""
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple
 
 from prefixcache.cache.hashing import ROOT_UID
@@ -16,11 +18,17 @@ POOL_STATES = ("running", "cached", "retained", "free")
 
 
 class Chain(NamedTuple):
-    """A cached chain that no indexed block extends: its deepest block and depth."""
+    """Where a cached chain forks or ends: its block's digest, depth and use."""
 
-    digest: bytes  # the deepest block's chained digest (it names the whole prefix)
+    digest: bytes  # the block's chained digest: it names the whole prefix up to it
     blocks: int  # depth from the namespace root
-    holders: int  # references on its deepest block now (running sequences holding it)
+    branches: int  # indexed blocks extending it (0: the chain ends here)
+    holders: int  # references on the block now (running sequences holding it)
+
+    @property
+    def shared(self) -> bool:
+        """Several continuations were cached after it, or several sequences hold it now."""
+        return self.branches > 1 or self.holders > 1
 
 
 def pool_states(pool: BlockPool) -> dict[str, int]:
@@ -35,23 +43,27 @@ def pool_states(pool: BlockPool) -> dict[str, int]:
     }
 
 
-def deepest_chains(pool: BlockPool, limit: int) -> list[Chain]:
-    """The ``limit`` deepest chains reachable from the root, deepest first (O(indexed)).
+def shared_prefixes(pool: BlockPool, limit: int) -> list[Chain]:
+    """Up to ``limit`` forks and ends of the cached chains, the shared ones first (a fork,
+    or held by several sequences), deepest first within each (O(indexed blocks)).
 
-    A chain ends at a block no other indexed block has as parent; blocks whose ancestor was
-    evicted are unreachable (no lookup can hit them) and are left out."""
+    A chain that goes on unforked is one row, at its end; blocks whose ancestor was evicted
+    are unreachable (no lookup can hit them) and are left out."""
     block_of = {block.uid: block for _, block in pool.cached.items()}
     parent_of = {uid: block.key[0] for uid, block in block_of.items()}
-    extended = set(parent_of.values())
+    children = Counter(parent_of.values())
     depths: dict[int, int] = {ROOT_UID: 0}
-    ends = [(_depth(uid, parent_of, depths), uid) for uid in parent_of if uid not in extended]
-    deepest = heapq.nlargest(limit, (end for end in ends if end[0] > 0), key=_by_depth)
-    return [_chain(pool, block_of[uid], depth) for depth, uid in deepest]
+    rows = [
+        _chain(pool, block_of[uid], depth, children[uid])
+        for uid in parent_of
+        if children[uid] != 1 and (depth := _depth(uid, parent_of, depths)) > 0
+    ]
+    return heapq.nsmallest(limit, rows, key=_order)
 
 
-def _by_depth(end: tuple[int, int]) -> tuple[int, int]:
-    """Deepest first; among equals, the oldest content (lowest uid) first."""
-    return end[0], -end[1]
+def _order(chain: Chain) -> tuple[bool, int, int, bytes]:
+    """Shared first, then deepest first, then the most branches (then by digest: stable)."""
+    return not chain.shared, -chain.blocks, -chain.branches, chain.digest
 
 
 def _depth(uid: int, parent_of: dict[int, int], depths: dict[int, int]) -> int:
@@ -71,8 +83,8 @@ def _depth(uid: int, parent_of: dict[int, int], depths: dict[int, int]) -> int:
     return depth
 
 
-def _chain(pool: BlockPool, block: Block, depth: int) -> Chain:
-    """The chain ending at indexed ``block``: its digest and who holds it (copies too)."""
+def _chain(pool: BlockPool, block: Block, depth: int, branches: int) -> Chain:
+    """The row of indexed ``block``: its digest and who holds it (held copies too)."""
     copies = pool.duplicates.get(block.uid, ())
     holders = block.ref_cnt + sum(copy.ref_cnt for copy in copies)
-    return Chain(block.digest or b"", depth, holders)
+    return Chain(block.digest or b"", depth, branches, holders)

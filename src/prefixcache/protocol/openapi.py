@@ -213,16 +213,18 @@ class ResetReport(BaseModel):
 
 
 class CachedPrefix(BaseModel):
-    """One deepest cached chain: its last block's digest (hex, cut), depth and holders."""
+    """Where a cached chain forks or ends: its block's digest (hex, cut), depth and use."""
 
     digest: str
     blocks: int
     tokens: int
-    holders: int
+    branches: int  # cached continuations after it (0: the chain ends here)
+    holders: int  # running sequences holding it
 
 
 class PrefixList(BaseModel):
-    """``GET /admin/prefixes``: the deepest cached chains, deepest first (never tokens)."""
+    """``GET /admin/prefixes``: forks and ends of the cached chains, shared first, deepest
+    first (never tokens)."""
 
     block_size: int
     prefixes: list[CachedPrefix]

@@ -1,5 +1,6 @@
-"""``GET /admin/prefixes`` (admin keys only): the deepest cached chains, by digest and depth,
-for ``prefixcache top``. Never token ids or text: a digest names a prefix, it does not show it."""
+"""``GET /admin/prefixes`` (admin keys only): where the cached chains fork and end, shared ones
+first, by digest and depth, for ``prefixcache top``. Never token ids or text: a digest names
+a prefix, it does not show it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
-from prefixcache.cache.chains import deepest_chains
+from prefixcache.cache.chains import shared_prefixes
 from prefixcache.protocol import openapi
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import get_and_head
@@ -32,7 +33,8 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
         responses=responses(openapi.PrefixList, 400, 401, 403),
     )
     async def prefixes(request: Request) -> dict:
-        """The ``limit`` deepest cached chains (default 10): digest, blocks, tokens, holders."""
+        """Up to ``limit`` (default 10) forks and ends of the cached chains, shared first:
+        digest, blocks, tokens, branches, holders."""
         limit = _limit(request.query_params.get("limit"))
         return await server.async_engine.run_in_engine(lambda engine: prefix_list(engine, limit))
 
@@ -41,12 +43,13 @@ def prefix_list(engine: LLMEngine, limit: int) -> dict:
     """The answer, built on the engine thread (it walks the live index)."""
     manager = engine.manager
     size = manager.block_size
-    chains = deepest_chains(manager.pool, limit)
+    chains = shared_prefixes(manager.pool, limit)
     rows = [
         {
             "digest": chain.digest.hex()[:DIGEST_CHARS],
             "blocks": chain.blocks,
             "tokens": chain.blocks * size,
+            "branches": chain.branches,
             "holders": chain.holders,
         }
         for chain in chains

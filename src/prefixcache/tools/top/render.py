@@ -134,15 +134,15 @@ def tenant_table(rows: list[TenantRow], seconds: float) -> Table:
 
 
 def prefix_table(rows: list[tuple[int | None, dict]]) -> Table:
-    """The longest cached prefixes: digest of the last block, tokens, blocks, holders."""
+    """The longest shared prefixes: where cached chains fork (branches) or end, by digest."""
     table = Table(title="longest shared prefixes", title_justify="left", box=None)
     if any(replica is not None for replica, _ in rows):
         table.add_column("replica", justify="right")
-    for column in ("digest", "tokens", "blocks", "held by"):
+    for column in ("digest", "tokens", "blocks", "branches", "held by"):
         table.add_column(column, justify="left" if column == "digest" else "right")
     for replica, row in rows:
-        cells = [str(row.get("digest", "?")), f"{row.get('tokens', 0):,}",
-                 f"{row.get('blocks', 0):,}", f"{row.get('holders', 0):,}"]  # fmt: skip
+        numbers = (row.get(name, 0) for name in ("tokens", "blocks", "branches", "holders"))
+        cells = [str(row.get("digest", "?")), *(f"{n:,}" for n in numbers)]
         table.add_row(*([] if replica is None else [str(replica)]), *cells)
     return table
 
@@ -155,9 +155,15 @@ def router_screen(router: RouterView, replicas: list[ReplicaView]) -> list[Rende
     if numbers:
         parts.append(tenant_table(merge_tenants(numbers), numbers[0].seconds))
     merged = [(i, row) for i, r in enumerate(replicas) if r.up for row in r.prefixes]
-    merged.sort(key=lambda entry: -entry[1].get("tokens", 0))
+    merged.sort(key=lambda entry: _shared_first(entry[1]))
     parts.append(prefix_table(merged[:8]))
     return parts
+
+
+def _shared_first(row: dict) -> tuple[bool, int]:
+    """Replicas' rows merged: the shared ones first, deepest first within each."""
+    shared = row.get("branches", 0) > 1 or row.get("holders", 0) > 1
+    return not shared, -row.get("tokens", 0)
 
 
 def router_line(router: RouterView, replicas: list[ReplicaView]) -> Text:

@@ -17,7 +17,8 @@ MAX_THREADS = 16
 
 @dataclass(slots=True)
 class ReplicaView:
-    """One replica as last scraped: its numbers, its deepest chains, or why it is down."""
+    """One replica as last scraped: its numbers, where its cached chains fork and end (the
+    longest shared prefixes), or why it is down."""
 
     url: str
     numbers: ReplicaNumbers | None = None
