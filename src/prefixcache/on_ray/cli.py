@@ -24,6 +24,7 @@ from prefixcache.argtypes import positive_int
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
+from prefixcache.protocol.top_hint import watch_line
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
 from prefixcache.shutdown import (
     CUT_SHORT,
@@ -32,7 +33,6 @@ from prefixcache.shutdown import (
     kill_descendants,
     sigterm_as_ctrl_c,
 )
-from prefixcache.tools.top import watch_line
 
 ROUTINGS = ("prefixcache", "ray")
 READY_TIMEOUT_S = 600.0

@@ -32,6 +32,7 @@ from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
 from prefixcache.protocol.tenant_secret import load_secrets
+from prefixcache.protocol.top_hint import watch_line
 from prefixcache.shutdown import (
     CUT_SHORT,
     TEARDOWN_SECONDS,
@@ -39,7 +40,6 @@ from prefixcache.shutdown import (
     kill_all,
     with_parent_death,
 )
-from prefixcache.tools.top import watch_line
 
 EMBEDDED_REDIS = "redis://embedded"
 RESTART_BACKOFF_S = 2.0

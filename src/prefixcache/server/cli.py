@@ -298,10 +298,10 @@ def _serve_until_stopped(
 ) -> int:
     """Say how the server is set up, serve until a signal; 0, or 130 if a second signal
     cut the graceful shutdown short."""
+    from prefixcache.protocol.top_hint import local_url, watch_line
     from prefixcache.server.app import graceful_server, started_banner
     from prefixcache.server.prepare_pool import WARM_QUIET_SECONDS
     from prefixcache.tier import redact
-    from prefixcache.tools.top import local_url, watch_line
 
     server = app.state.server  # large bodies' worker processes, once the engine is quiet
     engine = server.engine

@@ -17,17 +17,6 @@ KEY_VARIABLE = "PREFIXCACHE_API_KEY"
 PLAIN_WIDTH = 132  # columns of a frame printed to a file or pipe
 
 
-def local_url(host: str, port: int) -> str:
-    """Where this machine reaches a server bound to ``host`` (loopback for every address)."""
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "*", "") else host
-    return f"http://[{host}]:{port}" if ":" in host and "[" not in host else f"http://{host}:{port}"
-
-
-def watch_line(url: str, keyed: bool) -> str:
-    """What a server or cluster says at start-up: the command that watches it."""
-    return f"watch it: prefixcache top {url}" + (" --api-key <an admin key>" if keyed else "")
-
-
 def add_top_parser(commands: argparse._SubParsersAction) -> None:
     """The ``top`` subcommand and its options."""
     parser = commands.add_parser(
