@@ -142,7 +142,7 @@ def prefix_table(rows: list[tuple[int | None, dict]]) -> Table:
         table.add_column(column, justify="left" if column == "digest" else "right")
     for replica, row in rows:
         numbers = (row.get(name, 0) for name in ("tokens", "blocks", "branches", "holders"))
-        cells = [str(row.get("digest", "?")), *(f"{n:,}" for n in numbers)]
+        cells = [str(row.get("digest", "?"))[:16], *(_count(n) for n in numbers)]
         table.add_row(*([] if replica is None else [str(replica)]), *cells)
     return table
 
@@ -160,10 +160,16 @@ def router_screen(router: RouterView, replicas: list[ReplicaView]) -> list[Rende
     return parts
 
 
+def _count(value: object) -> str:
+    """A count as the server sent it ("?" if it is not one)."""
+    return f"{value:,}" if isinstance(value, int) else "?"
+
+
 def _shared_first(row: dict) -> tuple[bool, int]:
     """Replicas' rows merged: the shared ones first, deepest first within each."""
-    shared = row.get("branches", 0) > 1 or row.get("holders", 0) > 1
-    return not shared, -row.get("tokens", 0)
+    number = {k: v if isinstance(v, int) else 0 for k, v in row.items()}
+    shared = number.get("branches", 0) > 1 or number.get("holders", 0) > 1
+    return not shared, -number.get("tokens", 0)
 
 
 def router_line(router: RouterView, replicas: list[ReplicaView]) -> Text:

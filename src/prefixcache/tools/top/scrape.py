@@ -36,7 +36,7 @@ class Client:
 
     def health(self, url: str) -> dict:
         """``/health``'s body (a router answers 503 with one while no replica is up)."""
-        body = self._get(url, "/health").json()
+        body = _json(self._get(url, "/health"))
         if not isinstance(body, dict):
             raise Down("/health: not a prefixcache server's")
         return body
@@ -50,18 +50,22 @@ class Client:
             raise Down(f"/metrics: not Prometheus text ({error})") from None
 
     def prefixes(self, url: str) -> list[dict]:
-        """The replica's deepest cached chains (admin key); [] from a server without them."""
+        """Where the replica's cached chains fork and end (admin key); [] from a server
+        without ``/admin/prefixes``."""
         try:
-            response = self._get(url, f"/admin/prefixes?limit={PREFIX_ROWS}", admin=True)
+            body = _json(self._get(url, f"/admin/prefixes?limit={PREFIX_ROWS}", admin=True))
         except Down:
             return []
-        rows = response.json().get("prefixes")
-        return rows if isinstance(rows, list) else []
+        rows = body.get("prefixes") if isinstance(body, dict) else None
+        return [row for row in rows if isinstance(row, dict)] if isinstance(rows, list) else []
 
     def replicas(self, url: str) -> list[str]:
         """A router's replicas' URLs, in its order (``/admin/replicas``, admin key)."""
-        body = self._get(url, "/admin/replicas", admin=True).json()
-        return [r["url"] for r in body.get("replicas", []) if isinstance(r.get("url"), str)]
+        body = _json(self._get(url, "/admin/replicas", admin=True))
+        entries = body.get("replicas") if isinstance(body, dict) else None
+        if not isinstance(entries, list):
+            raise Down("/admin/replicas: not a prefixcache router's")
+        return [r["url"] for r in entries if isinstance(r, dict) and isinstance(r.get("url"), str)]
 
     def _get(self, url: str, path: str, admin: bool = False) -> httpx.Response:
         """A GET that answered 2xx (or /health's 503); ``TopError`` for a refused key."""
@@ -81,3 +85,11 @@ class Client:
         if status == 401:
             return f"{where} does not know this key (HTTP 401): pass an admin's key"
         return f"{where} needs an admin key; this key's tenant is not an admin (HTTP 403)"
+
+
+def _json(response: httpx.Response) -> object:
+    """The response's JSON body; ``Down`` if it is not JSON."""
+    try:
+        return response.json()
+    except ValueError:
+        raise Down(f"{response.request.url.path}: not JSON") from None

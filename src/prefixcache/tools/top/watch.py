@@ -82,6 +82,8 @@ class Watch:
         """Scrape every server once; never raises for one that is down or refuses."""
         router = self._router() if self.is_router else None
         urls = self.members if self.is_router else [self.url]
+        for gone in self.windows.keys() - set(urls):  # left the router's list (ray scaled in)
+            del self.windows[gone]
         views = list(self.pool.map(self._replica, urls))
         return Frame(self.url, router, views, time.time())
 
