@@ -1,5 +1,6 @@
 """``prefixcache top [URL]``: a live terminal view of a replica, or of a router and every
-replica behind it, refreshed every second (docs/debugging.md#prefixcache-top).
+replica behind it, refreshed every second
+(docs/debugging.md#prefixcache-top-url-a-live-view-of-a-replica-or-a-cluster).
 
 It reads what the servers export (``/metrics``, ``/health``, ``/admin/prefixes``, a router's
 ``/admin/replicas``) with the admin key where there is a key file; rates over the last
