@@ -80,14 +80,14 @@ def pool_holdings(manager: KVCacheManager) -> set[tuple[bytes, int]]:
 # differentials). `make test` (CI) runs everything, these included.
 QUICK_FILES = frozenset(
     {
-        "test_block_pool.py", "test_explain.py", "test_fair_admission.py",
+        "test_block_pool.py", "test_cache_chains.py", "test_explain.py", "test_fair_admission.py",
         "test_fair_cache.py", "test_hashing.py", "test_kv_events.py", "test_lab.py",
         "test_manager.py", "test_retention.py", "test_router_index.py",
         "test_router_policy.py", "test_rule_citations.py", "test_rules.py", "test_sampling.py",
         "test_scheduler.py", "test_sim_cluster.py", "test_sim_fairness.py",
         "test_sim_recommend.py", "test_sim_replay.py", "test_sim_traces.py",
         "test_synth_trace.py", "test_tier_client.py", "test_tier_codec.py", "test_tier_disk.py",
-        "test_tier_disk_hostile.py", "test_tier_redis.py", "test_engine.py",
+        "test_tier_disk_hostile.py", "test_tier_redis.py", "test_engine.py", "test_top_numbers.py",
     }
 )  # fmt: skip
 
@@ -104,7 +104,7 @@ SLOW_FILES = (
     "test_cache_events.py", "test_kv_events_serve.py", "test_policy.py",
     "test_router_hardening.py", "test_weights.py", "test_quantized.py", "test_audit.py",
     "test_access_log.py", "test_messages_tools_default_model.py", "test_prepare_process.py",
-    "test_openai_cache_controls.py", "test_fuzz_api.py", "test_server_hardening.py",
+    "test_openai_cache_controls.py", "test_fuzz_api.py", "test_server_hardening.py", "test_top.py",
 )  # fmt: skip
 
 # Files that share one worker: the real Gemma 3 file's gguf-py parse (~8 s), our tokenizer of

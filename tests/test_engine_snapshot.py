@@ -174,3 +174,20 @@ def test_an_idle_engine_republishes_its_tier_numbers(tmp_path):
             assert time.monotonic() < deadline, "the idle engine never republished"
             time.sleep(0.1)
     engine.close()
+
+
+def test_the_pool_by_state_adds_up_to_the_pool():
+    engine = tiny_engine()
+    engine.add_request("r", PROMPT, GREEDY)
+    run_to_completion(engine)
+    engine.publish_snapshot()
+    families = text_string_to_metric_families(ServerMetrics(engine, "tiny").render().decode())
+    by_state = {
+        sample.labels["state"]: sample.value
+        for family in families
+        if family.name == "prefixcache_kv_blocks_by_state"
+        for sample in family.samples
+    }
+    # 40 prompt tokens + 2 computed outputs: 10 full blocks cached, the 11th freed empty
+    assert by_state == {"running": 0, "cached": 10, "retained": 0, "free": 54}
+    assert_pool_clean(engine)

@@ -45,6 +45,14 @@ def test_the_command_line_imports_no_torch_before_a_command_needs_it() -> None:
     assert not loaded_after("import prefixcache.cli") & set(FORBIDDEN_IN_ROUTER)
 
 
+def test_top_is_a_client_only() -> None:
+    """``prefixcache top`` reads servers over HTTP: no torch, engine, server or router."""
+    loaded = loaded_after("import prefixcache.tools.top.render, prefixcache.tools.top.terminal")
+    assert "prefixcache.tools.top.watch" in loaded
+    upper = ("prefixcache.engine", "prefixcache.server", "prefixcache.router", "torch")
+    assert not [m for m in loaded if m.startswith(upper)]
+
+
 def test_route_loads_its_tokenizer_without_torch() -> None:
     """What ``prefixcache route`` runs for a digest policy: the tokenizer from the GGUF."""
     loaded = loaded_after(

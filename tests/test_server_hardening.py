@@ -286,6 +286,7 @@ PROBES = [
     ("OPTIONS", "/metrics"), ("POST", "/metrics"), ("GET", "/metrics?x=1"),
     ("POST", CHAT), ("OPTIONS", CHAT), ("HEAD", CHAT), ("GET", TEXT), ("POST", TEXT),
     ("POST", "/admin/reset_prefix_cache"), ("GET", "/admin/reset_prefix_cache"),
+    ("GET", "/admin/prefixes"), ("HEAD", "/admin/prefixes?limit=5"),
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
 ]  # fmt: skip
 UNROUTED = ["//v1/models", "/v1//models", "//metrics", "/metrics/", "/v1/", "/health/"]
@@ -312,6 +313,12 @@ def test_metrics_need_an_admin_key_and_admin_routes_say_403(keyed):
     refused = httpx.get(url + "/metrics", headers=BETA)
     assert refused.status_code == 403 and "needs an admin key" in refused.json()["error"]["message"]
     assert httpx.post(url + "/admin/reset_prefix_cache", headers=BETA).status_code == 403
+    assert httpx.get(url + "/admin/prefixes", headers=BETA).status_code == 403
+    listed = httpx.get(url + "/admin/prefixes?limit=3", headers=ADMIN)
+    assert listed.status_code == 200 and set(listed.json()) == {"block_size", "prefixes"}
+    for bad in ("0", "101", "x", "-1", "1e2"):
+        reply = httpx.get(url + f"/admin/prefixes?limit={bad}", headers=ADMIN)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "limit"
     scraped = httpx.get(url + "/metrics", headers=ADMIN)
     assert scraped.status_code == 200 and "prefixcache_kv_blocks" in scraped.text
     options = httpx.options(url + "/metrics", headers=ADMIN)  # authenticated: now the 405

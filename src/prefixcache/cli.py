@@ -24,6 +24,7 @@ COMMANDS = {
     "explain": ("prefixcache.tools.explain", "add_explain_parser", "run_explain"),
     "verify": ("prefixcache.tools.verify", "add_verify_parser", "run_verify"),
     "audit-timing": ("prefixcache.tools.audit", "add_audit_parser", "run_audit"),
+    "top": ("prefixcache.tools.top", "add_top_parser", "run_top"),
     "export-tokenizer": (
         "prefixcache.tools.export_tokenizer",
         "add_export_tokenizer_parser",

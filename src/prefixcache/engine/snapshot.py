@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.chains import pool_states
 from prefixcache.cache.owners import OwnerUsage
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class EngineSnapshot:
     windows: WindowCounters | None  # a hybrid layout's
     enable_prefix_caching: bool
     num_free_blocks: int
+    pool_states: tuple[tuple[str, int], ...]  # (state, blocks): ``cache.chains.pool_states``
     usage: float  # share of blocks held by live requests
     queries: int  # cache counters (``CacheStats``), cumulative
     hits: int
@@ -106,6 +108,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         windows=window_counters(engine),
         enable_prefix_caching=engine.config.enable_prefix_caching,
         num_free_blocks=manager.num_free_blocks,
+        pool_states=tuple(pool_states(manager.pool).items()),
         usage=manager.usage,
         queries=stats.queries,
         hits=stats.hits,

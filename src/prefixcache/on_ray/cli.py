@@ -24,6 +24,7 @@ from prefixcache.argtypes import positive_int
 from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
+from prefixcache.protocol.top_hint import watch_line
 from prefixcache.router.cluster import EMBEDDED_REDIS, Child, free_port, redis_command, router_url
 from prefixcache.shutdown import (
     CUT_SHORT,
@@ -158,6 +159,9 @@ def _deploy_and_wait(args: argparse.Namespace, folder: Path) -> int:
         route_prefix = "/" if args.routing == "ray" else None
         serve.run(build_app(engine, ingress, scaling), name=APP_NAME, route_prefix=route_prefix)
         print(_ready_line(args), flush=True)
+        if args.routing == "prefixcache":
+            url, keyed = router_url(args.host, args.port), bool(args.api_key_file)
+            print(f"prefixcache ray: {watch_line(url, keyed)}", flush=True)
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:

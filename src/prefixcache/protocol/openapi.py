@@ -212,6 +212,32 @@ class ResetReport(BaseModel):
     detail: str
 
 
+class CachedPrefix(BaseModel):
+    """Where a cached chain forks or ends: its block's digest (hex, cut), depth and use."""
+
+    digest: str
+    blocks: int
+    tokens: int
+    branches: int  # cached continuations after it (0: the chain ends here)
+    holders: int  # running sequences holding it
+
+
+class PrefixList(BaseModel):
+    """``GET /admin/prefixes``: forks and ends of the cached chains, shared first, deepest
+    first (never tokens)."""
+
+    block_size: int
+    prefixes: list[CachedPrefix]
+
+
+PREFIXES_QUERY = {  # GET /admin/prefixes: read by the handler itself
+    "parameters": [
+        {"name": "limit", "in": "query", "required": False,
+         "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+    ]
+}  # fmt: skip
+
+
 DESCRIPTIONS = {
     400: "Malformed JSON or HTTP, or a field out of range (the message names it and its limit)",
     401: "Missing or unknown API key",

@@ -32,6 +32,7 @@ from prefixcache.model_names import MODEL_HELP
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
 from prefixcache.protocol.tenant_secret import load_secrets
+from prefixcache.protocol.top_hint import watch_line
 from prefixcache.shutdown import (
     CUT_SHORT,
     TEARDOWN_SECONDS,
@@ -316,6 +317,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             + ("; embedded Redis for the KV tier" if plan.redis else ""),
             flush=True,
         )
+        url, keyed = router_url(args.host, args.port), bool(args.api_key_file)
+        print(f"prefixcache cluster: {watch_line(url, keyed)}", flush=True)
         print(
             f"prefixcache cluster: waiting for {len(plan.urls)} replicas to load the model "
             "(the router answers 503 until one is ready)...",

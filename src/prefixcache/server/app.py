@@ -45,6 +45,7 @@ from prefixcache.protocol.schemas import (
 )
 from prefixcache.protocol.stopping_server import StoppingServer
 from prefixcache.server import anthropic_format, openai_format
+from prefixcache.server.cache_routes import PREFIXES, add_cache_routes
 from prefixcache.server.events import KVEventPublisher
 from prefixcache.server.fan_in import FanIn, failure_event
 from prefixcache.server.lookup_routes import LOOKUP_PATHS, add_stored_routes, add_token_routes
@@ -68,7 +69,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
-    admin=frozenset({"/metrics", "/admin/reset_prefix_cache"}),
+    admin=frozenset({"/metrics", "/admin/reset_prefix_cache", PREFIXES}),
     metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES, *LOOKUP_PATHS}),
 )
 
@@ -244,6 +245,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     add_token_routes(app, server)
     add_stored_routes(app, server)
+    add_cache_routes(app, server)
 
 
 def _model_card(server: Server) -> dict:

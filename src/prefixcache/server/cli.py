@@ -298,6 +298,7 @@ def _serve_until_stopped(
 ) -> int:
     """Say how the server is set up, serve until a signal; 0, or 130 if a second signal
     cut the graceful shutdown short."""
+    from prefixcache.protocol.top_hint import local_url, watch_line
     from prefixcache.server.app import graceful_server, started_banner
     from prefixcache.server.prepare_pool import WARM_QUIET_SECONDS
     from prefixcache.tier import redact
@@ -308,6 +309,7 @@ def _serve_until_stopped(
         server.prepare, lambda: server.async_engine.num_pending > 0, WARM_QUIET_SECONDS
     )
     print(started_banner(tenants, name, args.host, args.port), flush=True)
+    print(watch_line(local_url(args.host, args.port), not tenants.local), flush=True)
     print(
         f"KV pool: {engine.num_blocks} blocks of {args.block_size} tokens, "
         f"{engine.kv_cache_dtype} ({engine.kv_store.bytes_per_token:,} bytes a token in every "

@@ -97,6 +97,15 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     ]
     for name, documentation, value in gauges:
         yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
+    states = GaugeMetricFamily(
+        "prefixcache_kv_blocks_by_state",
+        "KV blocks by state: running (held by live requests), cached (free, evictable, holding "
+        "a prefix), retained (free, kept by a retention mark), free (holding nothing)",
+        labels=["state"],
+    )
+    for state, count in snapshot.pool_states:
+        states.add_metric([state], count)
+    yield states
     per_token = GaugeMetricFamily(
         "prefixcache_kv_bytes_per_token",
         "Bytes one cached token takes in the KV pool: all layers, K and V, int8 scales "
