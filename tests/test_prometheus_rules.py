@@ -168,9 +168,10 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 
 def replica_args(redis: RedisProcess, keys: Path, secret: Path, metrics_port: int) -> tuple:
-    """A pool of 64 blocks of 16 tokens and one seat: a flood evicts and queues at once."""
+    """A pool of 128 blocks of 16 tokens (the shared load evicts none) and one seat: a flood
+    evicts and queues at once."""
     return (
-        "--block-size", "16", "--kv-cache-blocks", "64", "--max-num-seqs", "1",
+        "--block-size", "16", "--kv-cache-blocks", "128", "--max-num-seqs", "1",
         "--kv-tier", redis.url, "--fair-cache", "--api-key-file", str(keys),
         "--tenant-secret-file", str(secret), "--metrics-port", str(metrics_port),
     )  # fmt: skip
