@@ -105,6 +105,7 @@ SLOW_FILES = (
     "test_router_hardening.py", "test_weights.py", "test_quantized.py", "test_audit.py",
     "test_access_log.py", "test_messages_tools_default_model.py", "test_prepare_process.py",
     "test_openai_cache_controls.py", "test_fuzz_api.py", "test_server_hardening.py", "test_top.py",
+    "test_prometheus_rules.py",
 )  # fmt: skip
 
 # Files that share one worker: the real Gemma 3 file's gguf-py parse (~8 s), our tokenizer of

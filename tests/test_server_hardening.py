@@ -325,6 +325,13 @@ def test_metrics_need_an_admin_key_and_admin_routes_say_403(keyed):
     assert options.status_code == 405
 
 
+# The Accept header of a Prometheus 2.x scrape (OpenMetrics first).
+PROMETHEUS_ACCEPT = {
+    "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+}
+
+
 def test_the_metrics_port_serves_loopback_without_a_key(keyed):
     _, state = keyed
     port = free_port()
@@ -333,6 +340,11 @@ def test_the_metrics_port_serves_loopback_without_a_key(keyed):
         assert server.server_address[0] == "127.0.0.1"
         scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert scraped.status_code == 200 and "prefixcache_kv_blocks" in scraped.text
+        # what Prometheus asks for: the text format all the same, vLLM's names unescaped
+        asked = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=PROMETHEUS_ACCEPT)
+        assert asked.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert "\nvllm:num_requests_running{" in asked.text
+        assert "vllm_" not in asked.text
     finally:
         server.shutdown()
         server.server_close()

@@ -371,10 +371,18 @@ def serving_model(args: argparse.Namespace) -> LoadedModel:
 
 
 def serve_metrics(metrics: ServerMetrics, port: int) -> WSGIServer:
-    """/metrics without a key, on loopback only, from a daemon thread."""
-    from prometheus_client import start_http_server
+    """/metrics without a key, on loopback only, from a daemon thread; in the text format
+    the main port serves, whatever the scraper accepts (``metrics_wsgi_app``)."""
+    import threading
+    from wsgiref.simple_server import make_server
 
-    server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    from prefixcache.server.metrics import QuietHandler, metrics_wsgi_app
+
+    app = metrics_wsgi_app(metrics)
+    server = make_server("127.0.0.1", port, app, ThreadingWSGIServer, handler_class=QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True).start()
     print(f"metrics: http://127.0.0.1:{port}/metrics (loopback only, no key)", flush=True)
     return server
 

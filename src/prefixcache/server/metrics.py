@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -414,6 +415,33 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# What the main port's /metrics answers (server/app.py), and so --metrics-port too.
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def metrics_wsgi_app(metrics: ServerMetrics) -> Callable[..., Iterable[bytes]]:
+    """A WSGI app answering ``metrics`` in the text format on every path, whatever the
+    scraper accepts. prometheus_client's own app answers a Prometheus (which asks for
+    OpenMetrics first) with sample names escaped to underscores, colons included, under
+    HELP and TYPE lines that keep them: ``vllm:prompt_tokens_total`` arrived as
+    ``vllm_prompt_tokens_total`` (prometheus/client_python issue 1177)."""
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        body = metrics.render()
+        headers = [("Content-Type", TEXT_FORMAT), ("Content-Length", str(len(body)))]
+        start_response("200 OK", headers)
+        return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+
+    return app
+
+
+class QuietHandler(WSGIRequestHandler):
+    """Scrapes leave no line on stderr (every few seconds, for ever)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
 
 
 def _common(left: tuple[int, ...], right: tuple[int, ...]) -> int:
