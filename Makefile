@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve cluster ray test test-quick bench lab lint format clean kernels bytecode prometheus
+.PHONY: serve cluster ray test test-quick bench lab lint format clean kernels bytecode system-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,25 +41,31 @@ cluster: kernels
 ray: kernels
 	$(BIN)/prefixcache ray --replicas 2 --port 8000 --kv-tier redis://embedded
 
-# Prometheus and promtool for tests/test_prometheus_rules.py (deploy/: the dashboard and
-# the rules, docs/observability.md): Debian's package (2.42 on Debian 12), installed once when
-# missing (apt-get, through sudo unless root; ~11 s here). Its post-install enables a system
-# service on :9090; where that started, it is stopped and disabled: the tests run their own.
+# Debian packages the tests need, installed once when missing (apt-get, through sudo unless
+# root; ~11 s here): Prometheus and promtool for tests/test_prometheus_rules.py (deploy/: the
+# dashboard and the rules, docs/observability.md; 2.42 on Debian 12), and tmux, the real
+# terminal `prefixcache top` is tested in (tests/test_top.py). Prometheus' post-install
+# enables a system service on :9090; where that started, it is stopped and disabled: the
+# tests run their own.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+SYSTEM_TOOLS := prometheus:prometheus promtool:prometheus tmux:tmux  # command:package
 
-prometheus:
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
-		command -v apt-get >/dev/null || { echo "install Prometheus 2.x (prometheus, promtool on PATH)"; exit 1; }; \
+system-tools:
+	@missing="$$(for pair in $(SYSTEM_TOOLS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u | tr '\n' ' ')"; \
+	if [ -n "$$missing" ]; then \
+		command -v apt-get >/dev/null || { echo "install: $$missing(Prometheus 2.x, tmux)"; exit 1; }; \
 		$(SUDO) apt-get update -qq && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus && \
-		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus; \
-		else $(SUDO) service prometheus stop >/dev/null 2>&1 || true; fi; }
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing && \
+		case "$$missing" in *prometheus*) \
+			if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus; \
+			else $(SUDO) service prometheus stop >/dev/null 2>&1 || true; fi;; esac; \
+	fi
 
 # Two workers, each running whole test files (module-scoped servers start once), the
 # longest files first (SLOW_FILES in tests/conftest.py, hence --no-loadscope-reorder).
 TEST_WORKERS ?= 2
 
-test: bytecode prometheus
+test: bytecode system-tools
 	PREFIXCACHE_CACHE_DIR=$${PREFIXCACHE_CACHE_DIR:-$(TEST_CACHE)} $(BIN)/python -m prefixcache.engine.kernels
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

@@ -1,7 +1,7 @@
 """A real Prometheus on loopback for the tests of deploy/ (the dashboard and the rules), its
 HTTP API, and the expressions those files hold.
 
-The binary is Debian's `prometheus` package (with `promtool`), which `make prometheus`
+The binary is Debian's `prometheus` package (with `promtool`), which `make system-tools`
 installs; `make test` depends on it.
 """
 
@@ -46,7 +46,7 @@ VARIABLES = {"job": "prefixcache", "instance": ".+", "router": ".+", "__rate_int
 def binary(name: str) -> str:
     """``prometheus`` or ``promtool`` on PATH; AssertionError saying how to install it."""
     found = shutil.which(name)
-    assert found, f"{name} not found: `make prometheus` installs Debian's prometheus package"
+    assert found, f"{name} not found: `make system-tools` installs Debian's prometheus package"
     return found
 
 

@@ -2,7 +2,7 @@
 
 promtool checks the rules and runs their unit tests (deploy/prometheus/rules_test.yml: the
 production windows, thresholds and ``for:``). Then a real Prometheus (Debian's package,
-``make prometheus``), configured from deploy/prometheus/prometheus.yml, scrapes every second
+``make system-tools``), configured from deploy/prometheus/prometheus.yml, scrapes every second
 a real ``prefixcache serve`` (the tiny model, a Redis tier on a real redis-server, KV events,
 ``--fair-cache``, tenants), a real ``prefixcache route`` in front of it, and a second replica
 served from this process, whose event publisher the test breaks. After a short load every
