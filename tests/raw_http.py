@@ -31,8 +31,9 @@ def head(method: str, path: str, headers: dict[str, str] | None = None, host: st
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def read_reply(sock: socket.socket) -> Reply:
-    """One response (by Content-Length, else until the server closes)."""
+def read_reply(sock: socket.socket, head_only: bool = False) -> Reply:
+    """One response (by Content-Length, else until the server closes); a reply to a HEAD
+    (``head_only``) has a Content-Length and no body."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -42,7 +43,7 @@ def read_reply(sock: socket.socket) -> Reply:
     raw_head, body = data.split(b"\r\n\r\n", 1)
     lines = raw_head.decode("latin-1").split("\r\n")
     headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    length = int(headers.get("content-length", -1))
+    length = 0 if head_only else int(headers.get("content-length", -1))
     while length < 0 or len(body) < length:
         chunk = sock.recv(65536)
         if not chunk:
@@ -55,7 +56,7 @@ def exchange(url: str, data: bytes, timeout: float = 30) -> Reply:
     """Send ``data`` as is and read the reply."""
     with connect(url, timeout) as sock:
         sock.sendall(data)
-        return read_reply(sock)
+        return read_reply(sock, head_only=data.startswith(b"HEAD "))
 
 
 def closed_by_server(sock: socket.socket) -> bool:
