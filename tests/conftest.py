@@ -111,7 +111,13 @@ SLOW_FILES = (
 # Files that share one worker: the real Gemma 3 file's gguf-py parse (~8 s), our tokenizer of
 # it (~4 s) and transformers' are cached per process (gemma_fixtures.py, hf_fixtures.py).
 GROUPS = dict.fromkeys(
-    ("test_gemma3.py", "test_gguf_tokenizers.py", "test_weight_types.py", "test_chat_templates.py"),
+    (
+        "test_gemma3.py",
+        "test_gguf_tokenizers.py",
+        "test_weight_types.py",
+        "test_chat_templates.py",
+        "test_sim_windows.py",
+    ),
     "gemma-file",
 )
 

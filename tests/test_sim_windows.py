@@ -13,10 +13,10 @@ import csv
 import json
 from pathlib import Path
 
-import gguf
 import pytest
 
 from gemma_fixtures import gemma_file
+from hf_fixtures import gguf_reader
 from prefixcache.engine.config import KV_CACHE_DTYPES, ModelConfig, kv_row_bytes
 from prefixcache.engine.model_files import model_source
 from prefixcache.sim.cli import add_simulate_parser, run_simulate
@@ -137,7 +137,7 @@ def test_a_byte_budget_becomes_blocks_of_every_layer_at_each_dtype():
 def gguf_fields(path: Path) -> dict:
     """A GGUF file's numeric metadata, read by gguf-py (not our loader), and the vocabulary's
     size (its strings left undecoded)."""
-    fields = gguf.GGUFReader(path).fields
+    fields = gguf_reader(path).fields  # parsed once per worker: the Gemma group shares it
     meta = {key: fields[key].contents() for key in fields if not key.startswith("tokenizer.")}
     return {**meta, "vocab_size": len(fields["tokenizer.ggml.tokens"].data)}
 
