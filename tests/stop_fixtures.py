@@ -28,6 +28,7 @@ class Outcome:
     seconds: float
     left: tuple[str, ...]
     traceback: bool
+    detail: str = ""  # the log from its first traceback on (what a failed run shows)
 
     @property
     def clean(self) -> bool:
@@ -72,9 +73,9 @@ def settle(
         time.sleep(0.05)
         left = survivors(family)
     text = log.read_text(errors="replace")
-    return Outcome(
-        cell_name(sig, group), status, round(seconds, 1), tuple(left), "Traceback" in text
-    )
+    at = text.find("Traceback")
+    detail = text[at : at + 3000] if at >= 0 else ""
+    return Outcome(cell_name(sig, group), status, round(seconds, 1), tuple(left), at >= 0, detail)
 
 
 def prefixcache(*arguments: str) -> list[str]:
