@@ -11,13 +11,13 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import yaml  # PyYAML, a dependency of gguf
 
+from child_process import terminate, wait_answering
 from server_fixtures import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,26 +145,12 @@ class PrometheusProcess:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=self.workdir
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"prometheus did not start: {self.log_tail()}")
+        ready = f"{self.url}/-/ready"
+        wait_answering(self.process, ready, "prometheus", self.log_tail, START_TIMEOUT_S)
+        return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        terminate(self.process)
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]

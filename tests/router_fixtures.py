@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 from safetensors.torch import save_file
 
+from child_process import terminate
 from engine_fixtures import random_state_dict, tiny_config
 from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.protocol.auth import Tenants
@@ -119,12 +120,7 @@ class ReplicaProcess:
             self.process.wait(10)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        terminate(self.process)
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text().splitlines()[-lines:])

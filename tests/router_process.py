@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+from child_process import wait_answering
 from server_fixtures import free_port
 
 START_TIMEOUT_S = 60.0
@@ -48,17 +46,12 @@ class RouterProcess:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"router exited: {self.log_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"router did not start: {self.log_text()[-3000:]}")
+        health = f"{self.url}/health"
+        wait_answering(self.process, health, "router", self.log_tail, START_TIMEOUT_S)
+        return self
+
+    def log_tail(self) -> str:
+        return self.log_text()[-3000:]
 
     def rss_bytes(self) -> int:
         """Its resident memory now (Linux ``VmRSS``)."""
