@@ -16,7 +16,7 @@ from router_fixtures import running_router
 from server_fixtures import running_server, wait_idle, write_key_file
 
 ADMIN = {"authorization": "Bearer sk-alpha"}
-EXAMPLES = 20  # per operation and mode, as for the replica: the file takes about 25 s here
+EXAMPLES = 12  # per operation and mode, as for the replica: the file takes about 15 s here
 OPERATIONS = {
     "GET /admin/replicas", "GET /health", "GET /metrics", "GET /v1/models",
     "GET /v1/models/{model_id}",
