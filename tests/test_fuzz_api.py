@@ -19,7 +19,7 @@ OPERATIONS = {
     "POST /v1/responses", "POST /admin/reset_prefix_cache", "POST /v1/messages/count_tokens",
     "POST /tokenize", "POST /detokenize", "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}", "GET /v1/responses/{response_id}/input_items",
-    "GET /admin/prefixes",
+    "GET /admin/prefixes", "GET /admin/requests/{request_id}",
 }  # fmt: skip
 
 

@@ -287,6 +287,7 @@ PROBES = [
     ("POST", CHAT), ("OPTIONS", CHAT), ("HEAD", CHAT), ("GET", TEXT), ("POST", TEXT),
     ("POST", "/admin/reset_prefix_cache"), ("GET", "/admin/reset_prefix_cache"),
     ("GET", "/admin/prefixes"), ("HEAD", "/admin/prefixes?limit=5"),
+    ("GET", "/admin/requests/chatcmpl-x"), ("HEAD", "/admin/requests/chatcmpl-x"),
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
 ]  # fmt: skip
 UNROUTED = ["//v1/models", "/v1//models", "//metrics", "/metrics/", "/v1/", "/health/"]
@@ -314,6 +315,7 @@ def test_metrics_need_an_admin_key_and_admin_routes_say_403(keyed):
     assert refused.status_code == 403 and "needs an admin key" in refused.json()["error"]["message"]
     assert httpx.post(url + "/admin/reset_prefix_cache", headers=BETA).status_code == 403
     assert httpx.get(url + "/admin/prefixes", headers=BETA).status_code == 403
+    assert httpx.get(url + "/admin/requests/chatcmpl-x", headers=BETA).status_code == 403
     listed = httpx.get(url + "/admin/prefixes?limit=3", headers=ADMIN)
     assert listed.status_code == 200 and set(listed.json()) == {"block_size", "prefixes"}
     for bad in ("0", "101", "x", "-1", "1e2"):

@@ -230,6 +230,26 @@ class PrefixList(BaseModel):
     prefixes: list[CachedPrefix]
 
 
+class ServedRequest(BaseModel):
+    """``GET /admin/requests/{request_id}``: a recently finished request's counts, times and
+    waits by reason (never text or token ids)."""
+
+    request_id: str
+    tenant: str
+    endpoint: str
+    status: str  # ok, disconnected, engine_error, cancelled
+    priority: int
+    prompts: int
+    prompt_tokens: int
+    cached_tokens: int
+    pool_tokens: int  # of cached_tokens, from the pool
+    tier_tokens: int  # of cached_tokens, loaded from the KV tier
+    completion_tokens: int
+    ttft_seconds: float | None
+    total_seconds: float | None
+    queue_seconds: dict[str, float]  # step_time, priority, seats, memory, tier_load, fairness
+
+
 PREFIXES_QUERY = {  # GET /admin/prefixes: read by the handler itself
     "parameters": [
         {"name": "limit", "in": "query", "required": False,
@@ -242,7 +262,8 @@ DESCRIPTIONS = {
     400: "Malformed JSON or HTTP, or a field out of range (the message names it and its limit)",
     401: "Missing or unknown API key",
     403: "The key's tenant may not use this route (not an admin)",
-    404: "No such model, or no stored response of that id for this tenant",
+    404: "No such model, no stored response of that id for this tenant, or no recently "
+    "finished request of that id",
     408: "The request head or body did not arrive within --request-read-timeout",
     413: "The body is larger than --max-body-bytes",
     429: "Too many requests in flight (server or tenant); see Retry-After",

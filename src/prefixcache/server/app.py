@@ -60,6 +60,12 @@ from prefixcache.server.prepare import (
     prepare_completion,
 )
 from prefixcache.server.prepare_pool import PreparePool
+from prefixcache.server.recent_requests import (
+    REQUESTS,
+    RecentRequests,
+    add_request_routes,
+    request_record,
+)
 from prefixcache.server.response_store import ResponseStore
 from prefixcache.server.responses_api import prepare_responses
 
@@ -69,7 +75,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ROUTES = RoutePolicy(
     public=frozenset({"/health"}),
-    admin=frozenset({"/metrics", "/admin/reset_prefix_cache", PREFIXES}),
+    admin=frozenset({"/metrics", "/admin/reset_prefix_cache", PREFIXES, REQUESTS}),
     metered=frozenset({CHAT, COMPLETIONS, MESSAGES, RESPONSES, *LOOKUP_PATHS}),
 )
 
@@ -88,6 +94,7 @@ class Server:
     pool: PreparePool = field(default_factory=lambda: PreparePool(PREPARE_THREADS))
     identity: dict = field(default_factory=dict)  # see replica_identity
     responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
+    recent: RecentRequests = field(default_factory=RecentRequests)  # /admin/requests/{id}
     draining: bool = False  # shutting down: new requests get 503
 
     @property
@@ -246,6 +253,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     add_token_routes(app, server)
     add_stored_routes(app, server)
     add_cache_routes(app, server)
+    add_request_routes(app, server)
 
 
 def _model_card(server: Server) -> dict:
@@ -316,7 +324,9 @@ async def _serve(
         key_id = server.tenants.cache_key_id(tenant, body.prompt_cache_key)
         controls = _Controls(body.prompt_cache_retention, key_id, priority)
     fan_in = await _open(server, tenant, ready, (salt, previous), controls)
-    done = _Done(server, tenant, salt, shape.request_id, shape.endpoint, controls.cache_key)
+    done = _Done(
+        server, tenant, salt, shape.request_id, shape.endpoint, controls.cache_key, priority
+    )
     if body.stream:
         return _Stream(answer.stream(ready, fan_in, done), lambda: done.once(fan_in))
     try:
@@ -432,7 +442,8 @@ class _Controls:
 
 @dataclass(slots=True)
 class _Done:
-    """Accounting when a request ends, once: metrics and one log line (counts, never text)."""
+    """Accounting when a request ends, once: metrics, one log line and its record in
+    ``Server.recent`` (counts and times, never text)."""
 
     server: Server
     tenant: Tenant
@@ -440,6 +451,7 @@ class _Done:
     request_id: str
     endpoint: str
     cache_key: str | None = None  # an opaque id: its first hex digits go in the log line
+    priority: int = 0
     called: bool = False
 
     def __call__(self, parts: list[RequestOutput], status: str = "ok") -> None:
@@ -464,6 +476,10 @@ class _Done:
             status,
             waited_field(p.metrics.queue_seconds for p in parts),
         )
+        record = request_record(
+            self.request_id, self.tenant.name, self.endpoint, self.priority, status, parts
+        )
+        self.server.recent.add(record)
 
     def once(self, fan_in: FanIn) -> None:
         """The end of a stream that may never have started: close it and account for it."""

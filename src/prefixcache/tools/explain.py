@@ -1,4 +1,6 @@
 """``prefixcache explain A B``: how much of request B reuses request A's cache, and why no more.
+(``prefixcache explain --served ID --url URL``, why a served request waited, is
+``explain_served.py``.)
 
 A is cached through a real ``KVCacheManager`` (admit, commit, free), then ``match`` asks how
 much of B it would serve. The report names the first miss (block and token position) and
@@ -54,10 +56,15 @@ class Reuse:
 def add_explain_parser(commands: argparse._SubParsersAction) -> None:
     """The ``explain`` subcommand and its options."""
     parser = commands.add_parser(
-        "explain", help="why request B does (not) reuse request A's cached blocks"
+        "explain",
+        help="why request B does (not) reuse request A's cached blocks; with --served, what a "
+        "server's finished request reused and why it waited",
     )
-    parser.add_argument("a", help="JSON request cached first: token_ids, prompt or messages")
-    parser.add_argument("b", help="JSON request looked up second")
+    parser.add_argument(
+        "a", nargs="?", help="JSON request cached first: token_ids, prompt or messages"
+    )
+    parser.add_argument("b", nargs="?", help="JSON request looked up second")
+    _add_served_options(parser)
     parser.add_argument(
         "--block-size",
         type=int,
@@ -84,8 +91,33 @@ def add_explain_parser(commands: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_served_options(parser: argparse.ArgumentParser) -> None:
+    """``--served ID --url URL [--api-key KEY]`` instead of A and B."""
+    from prefixcache.tools.top import DEFAULT_URL, add_key_option
+
+    parser.add_argument(
+        "--served",
+        metavar="REQUEST_ID",
+        help="instead of A B: a request the server at --url finished (its response id, as in "
+        "the access log): its cache hit, first token and why it waited",
+    )
+    parser.add_argument(
+        "--url", default=DEFAULT_URL, help=f"with --served: the server (default {DEFAULT_URL})"
+    )
+    add_key_option(parser)
+    parser.set_defaults(explain_parser=parser)
+
+
 def run_explain(args: argparse.Namespace) -> int:
     """Load both requests, explain, print; exit 2 on a bad file or option."""
+    if args.served is not None:
+        if args.a is not None:
+            args.explain_parser.error("give A B or --served REQUEST_ID, not both")
+        from prefixcache.tools.explain_served import run_served
+
+        return run_served(args)
+    if args.b is None:
+        args.explain_parser.error("the following arguments are required: a, b (or --served)")
     try:
         _check_options(args)
         specs = [load_request_file(args.a), load_request_file(args.b)]

@@ -26,6 +26,17 @@ def add_top_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "url", nargs="?", default=DEFAULT_URL, help=f"a replica or router (default {DEFAULT_URL})"
     )
+    add_key_option(parser)
+    parser.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes"
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="print one frame and exit (also when not a terminal)"
+    )
+
+
+def add_key_option(parser: argparse.ArgumentParser) -> None:
+    """``--api-key KEY``: an admin's key (``top`` and ``explain --served``)."""
     parser.add_argument(
         "--api-key",
         "--key",
@@ -33,12 +44,16 @@ def add_top_parser(commands: argparse._SubParsersAction) -> None:
         metavar="KEY",
         help=f"an admin tenant's key, where the server has a key file (default: ${KEY_VARIABLE})",
     )
-    parser.add_argument(
-        "--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes"
-    )
-    parser.add_argument(
-        "--once", action="store_true", help="print one frame and exit (also when not a terminal)"
-    )
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$PREFIXCACHE_API_KEY``; None: no key."""
+    return args.api_key or os.environ.get(KEY_VARIABLE) or None
+
+
+def with_scheme(url: str) -> str:
+    """``host:port`` as ``http://host:port``; a URL with a scheme as it is."""
+    return url if "://" in url else f"http://{url}"
 
 
 def run_top(args: argparse.Namespace) -> int:
@@ -52,9 +67,8 @@ def run_top(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         print(f"prefixcache top: --interval {args.interval} must be > 0", file=sys.stderr)
         return 2
-    key = args.api_key or os.environ.get(KEY_VARIABLE) or None
-    client = Client(key, timeout=min(2.0, max(0.5, args.interval)))
-    url = args.url if "://" in args.url else f"http://{args.url}"
+    client = Client(admin_key(args), timeout=min(2.0, max(0.5, args.interval)))
+    url = with_scheme(args.url)
     watch = Watch(client, url)
     try:
         watch.start()

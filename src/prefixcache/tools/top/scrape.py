@@ -74,12 +74,13 @@ class Client:
         except httpx.HTTPError as error:
             raise Down(f"{type(error).__name__}: {error}".rstrip(": ")) from None
         if admin and response.status_code in (401, 403):
-            raise TopError(self._refused(url + path.split("?")[0], response.status_code))
+            raise TopError(self.refused(url + path.split("?")[0], response.status_code))
         if response.status_code >= 400 and not (path == "/health" and response.status_code == 503):
             raise Down(f"{path}: HTTP {response.status_code}")
         return response
 
-    def _refused(self, where: str, status: int) -> str:
+    def refused(self, where: str, status: int) -> str:
+        """One line on why ``where`` refused this client's key (HTTP 401 or 403)."""
         if status == 401 and not self.keyed:
             return f"{where} needs an admin key (HTTP 401): {KEY_HELP}"
         if status == 401:
