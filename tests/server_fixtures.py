@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from ports import free_port
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.front import uvicorn_config
@@ -29,12 +29,6 @@ def write_key_file(folder: Path) -> Path:
     path = folder / "keys.json"
     path.write_text(json.dumps({"tenants": [{"name": n, **v} for n, v in KEYS.items()]}))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
