@@ -15,6 +15,7 @@ from urllib.parse import quote, urlencode
 import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel
 
 from prefixcache.protocol import openapi
@@ -87,7 +88,7 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
     @get_and_head(app, "/metrics", responses=openapi.plain_text(responses(None, 401, 403)))
     async def metrics() -> Response:
         """Prometheus metrics; with an API key file, for admin keys only."""
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     @get_and_head(app, MODELS, responses=responses(openapi.ModelList, 401, 503))
     async def models(request: Request) -> Response:

@@ -19,6 +19,7 @@ from functools import partial
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.cache.retention import Keep
@@ -191,7 +192,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @get_and_head(app, "/metrics", responses=openapi.plain_text(responses(None, 401, 403)))
     async def metrics() -> Response:
         """Prometheus metrics; with an API key file, for admin keys only."""
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     @get_and_head(app, "/v1/models", responses=responses(openapi.ModelList, 401))
     async def models() -> dict:

@@ -14,6 +14,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from prefixcache.cache.owners import OwnerUsage
 from prefixcache.engine.request import RequestOutput
@@ -417,10 +418,6 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-# What the main port's /metrics answers (server/app.py), and so --metrics-port too.
-TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
-
-
 def metrics_wsgi_app(metrics: ServerMetrics) -> Callable[..., Iterable[bytes]]:
     """A WSGI app answering ``metrics`` in the text format on every path, whatever the
     scraper accepts. prometheus_client's own app answers a Prometheus (which asks for
@@ -430,7 +427,7 @@ def metrics_wsgi_app(metrics: ServerMetrics) -> Callable[..., Iterable[bytes]]:
 
     def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
         body = metrics.render()
-        headers = [("Content-Type", TEXT_FORMAT), ("Content-Length", str(len(body)))]
+        headers = [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))]
         start_response("200 OK", headers)
         return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
