@@ -18,14 +18,20 @@ ACCESS_LOGGER = "uvicorn.access"  # uvicorn logs (client, method, path?query, ve
 STORED_PREFIX = "/v1/responses/"  # then a response id, then maybe "/input_items"
 
 
-def waited_field(queue_seconds: Iterable[Mapping[str, float]]) -> str:
-    """`` waited=step_time:0.42s,seats:0.10s``: why a request's prompts waited to be
-    admitted, summed over them (empty if they never waited)."""
+def summed_waits(queue_seconds: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Seconds a request's prompts waited to be admitted, by reason, summed over them
+    (sorted by reason; reasons they never waited for left out)."""
     total: dict[str, float] = {}
     for waits in queue_seconds:
         for reason, seconds in waits.items():
             total[reason] = total.get(reason, 0.0) + seconds
-    parts = [f"{reason}:{seconds:.2f}s" for reason, seconds in sorted(total.items()) if seconds]
+    return {reason: seconds for reason, seconds in sorted(total.items()) if seconds}
+
+
+def waited_field(queue_seconds: Iterable[Mapping[str, float]]) -> str:
+    """`` waited=step_time:0.42s,seats:0.10s``: why a request's prompts waited to be
+    admitted, summed over them (empty if they never waited)."""
+    parts = [f"{reason}:{seconds:.2f}s" for reason, seconds in summed_waits(queue_seconds).items()]
     return f" waited={','.join(parts)}" if parts else ""
 
 

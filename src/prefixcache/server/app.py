@@ -463,6 +463,9 @@ class _Done:
         if status == "ok":
             for output in parts:
                 self.server.metrics.observe(self.tenant.name, output, self.salt)
+        record = request_record(
+            self.request_id, self.tenant.name, self.endpoint, self.priority, status, parts
+        )
         key = f" cache_key={self.cache_key[:CACHE_KEY_LOG_CHARS]}" if self.cache_key else ""
         log.info(
             "%s%s tenant=%s prompts=%d prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
@@ -470,15 +473,12 @@ class _Done:
             self.request_id,
             key,
             self.tenant.name,
-            len(parts),
-            sum(len(p.prompt_token_ids) for p in parts),
-            sum(p.num_cached_tokens for p in parts),
-            sum(len(o.token_ids) for p in parts for o in p.outputs),
+            record["prompts"],
+            record["prompt_tokens"],
+            record["cached_tokens"],
+            record["completion_tokens"],
             status,
             waited_field(p.metrics.queue_seconds for p in parts),
-        )
-        record = request_record(
-            self.request_id, self.tenant.name, self.endpoint, self.priority, status, parts
         )
         self.server.recent.add(record)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from prefixcache.protocol import openapi
+from prefixcache.protocol.access_log import summed_waits
 from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import get_and_head
 from prefixcache.protocol.openapi import responses
@@ -101,11 +102,8 @@ def _total(parts: Sequence[RequestOutput]) -> float | None:
 
 def _waits(parts: Sequence[RequestOutput]) -> dict[str, float]:
     """Seconds waited before admission by reason, summed over the prompts (no zeros)."""
-    total: dict[str, float] = {}
-    for part in parts:
-        for reason, seconds in part.metrics.queue_seconds.items():
-            total[reason] = total.get(reason, 0.0) + seconds
-    return {reason: round(seconds, 6) for reason, seconds in sorted(total.items()) if seconds}
+    waits = summed_waits(part.metrics.queue_seconds for part in parts)
+    return {reason: round(seconds, 6) for reason, seconds in waits.items()}
 
 
 def add_request_routes(app: FastAPI, server: Server) -> None:
