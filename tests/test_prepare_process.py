@@ -22,7 +22,7 @@ import pytest
 from engine_fixtures import assert_pool_clean, default_tokenizer, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
-from prefixcache.server.prepare import PrepareContext
+from prefixcache.server.prepare import PrepareContext, prepare_completion
 from prefixcache.server.prepare_pool import NICENESS, PROCESS_BODY_BYTES, PreparePool
 from server_fixtures import running_server, wait_idle
 
@@ -180,5 +180,20 @@ def test_warm_with_busy_starts_the_workers_only_once_the_engine_is_quiet():
         while len(pool.worker_pids()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(pool.worker_pids()) == 2
+    finally:
+        pool.close()
+
+
+def test_the_first_large_body_starts_every_worker_before_the_pool_watches_them():
+    """Under spawn, CPython starts a worker per submit while the manager thread watches the
+    worker dict: a worker killed by a group signal made that thread iterate the dict as the
+    next submit grew it (a traceback at Ctrl-C). All start at the first submit instead."""
+    tokenizer = default_tokenizer()
+    pool = PreparePool(2, processes=3)
+    try:
+        ctx = PrepareContext(tokenizer, "tiny", 512, tokenizer.vocab_size, 1000)
+        ready = anyio.run(pool.prepare, prepare_completion, padded(COMPLETION), ctx)
+        assert ready.shape.tokenizer is tokenizer and ready.prompts
+        assert len(pool.worker_pids()) == 3  # not one per body so far
     finally:
         pool.close()

@@ -116,8 +116,7 @@ class PreparePool:
         try:
             pool = self._pool(ctx)
             with sigint_blocked():
-                for _ in range(self._processes):
-                    pool.submit(os.getpid)
+                pool.submit(os.getpid)  # the first submit starts every worker
         except (RuntimeError, OSError, BrokenProcessPool) as error:  # closed meanwhile
             log.info("prepare workers not started early: %s", error)
 
@@ -168,7 +167,7 @@ class PreparePool:
             if self._context_file is None:
                 self._context_file = _write_context(ctx)
             if self._executor is None:
-                self._executor = ProcessPoolExecutor(
+                self._executor = _EagerProcessPool(
                     self._processes,
                     mp_context=multiprocessing.get_context("spawn"),  # never fork a threaded server
                     initializer=_start_worker,
@@ -188,6 +187,18 @@ class PreparePool:
         stopper.start()
         stopper.join(timeout)
         kill_all(processes, timeout)  # a preparation is bounded, but nobody awaits it now
+
+
+class _EagerProcessPool(ProcessPoolExecutor):
+    """Starts all its workers at the first submit, before its manager thread watches them.
+
+    Under spawn, CPython 3.11 starts a worker per submit, while the manager thread runs: a
+    worker a group signal killed then made that thread iterate the worker dict as the next
+    submit grew it ("dictionary changed size during iteration", a traceback at Ctrl-C)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._safe_to_dynamically_spawn_children = False  # as under fork: all at once, first
 
 
 def _yielding(function: Callable[..., T], *args: object) -> T:
