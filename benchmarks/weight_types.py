@@ -134,7 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     types = args.types.split(",")
     assert kernels.available(), "the native kernels did not build"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    simd = torch.ops.prefixcache.gguf_simd()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {simd} decoders")
     if args.crossover:
         crossover(types)
         return

@@ -62,6 +62,18 @@ def no_native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed_weight_module.kernels, "available", lambda: False)
 
 
+def test_the_decoders_built_are_the_widest_the_cpu_has(native: None) -> None:
+    """-march=native on a CPU with AVX-512 (F, BW, VL) or AVX2 and FMA builds those decoders:
+    the tests below then check them; a build that lost them would quietly decode 4x slower."""
+    flags = set(kernels._cpu_features().split())
+    expected = "portable"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        expected = "avx512"
+    elif {"avx2", "fma"} <= flags:
+        expected = "avx2"
+    assert torch.ops.prefixcache.gguf_simd() == expected
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_is_bit_exact(native: None, name: str) -> None:
     wtype = TYPES[name]
@@ -71,7 +83,7 @@ def test_dequantize_is_bit_exact(native: None, name: str) -> None:
     expected = reference(raw, wtype, shape)
     assert_same_bits(weight.dequantize(), expected)
     portable = torch.ops.prefixcache.gguf_dequantize(weight.blocks, wtype.code, shape[1], True)
-    assert_same_bits(portable, expected)  # the decoders of CPUs without AVX-512
+    assert_same_bits(portable, expected)  # the decoders of CPUs without AVX2
     assert weight.nbytes == raw.size
 
 

@@ -36,6 +36,7 @@ SOURCES = (
     "gguf_blocks.h",
     "gguf_matmul.cpp",
     "gguf_simd.h",
+    "gguf_simd_avx2.h",
     "head_logits.cpp",
     "head_logits.h",
     "kv_rows.cpp",

@@ -208,4 +208,33 @@ inline void decode_q6_k(const uint8_t* b, float* y) {
   }
 }
 
+// What the SIMD decoders (gguf_simd*.h) compute once per block for all its parts.
+struct NoState {
+  explicit NoState(const uint8_t*) {}
+};
+
+// Q4_K/Q5_K: the 8 sub-blocks' `d * scale` and `dmin * min`, once per block.
+struct K4Scales {
+  float a[8], m[8];
+  explicit K4Scales(const uint8_t* b) {
+    const float d = detail::half_at(b), dmin = detail::half_at(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int scale, min;
+      detail::scale_min_k4(b + 4, j, scale, min);
+      a[j] = d * static_cast<float>(scale);
+      m[j] = dmin * static_cast<float>(min);
+    }
+  }
+};
+
+// Q6_K: the block's 16 `d * scale`, once per block.
+struct K6Scales {
+  float a[16];
+  explicit K6Scales(const uint8_t* b) {
+    const float d = detail::half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < 16; ++g) a[g] = d * static_cast<float>(sc[g]);
+  }
+};
+
 }  // namespace prefixcache::gguf

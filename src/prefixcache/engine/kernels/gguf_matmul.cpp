@@ -6,9 +6,9 @@
 // differs from a dense matmul's. So it equals `x @ dequantize().T` up to fp32 summation order:
 // |error| <= in * 2^-24 * sum_i |w_i x_i| (the usual bound of an fp32 dot product).
 //   - Few rows (decode, up to the caller's `max_decode_rows`): parallel over output rows, 8
-//     activation rows a pass; with AVX-512 each 32 weights are decoded into two registers
-//     and multiplied into every row (gguf_simd.h), elsewhere 256 values at a time are decoded
-//     into a buffer that stays in L1 and dotted with every row.
+//     activation rows a pass; with AVX-512 (AVX2) each 32 weights are decoded into two (four)
+//     registers and multiplied into every row (gguf_simd.h, gguf_simd_avx2.h), elsewhere 256
+//     values at a time are decoded into a buffer that stays in L1 and dotted with every row.
 //   - Many rows (prefill): parallel over tiles of output rows, each decoded into an fp32
 //     buffer that stays in cache and multiplied by sgemm (at::mm).
 #include <ATen/ATen.h>
@@ -18,11 +18,17 @@
 
 #include <algorithm>
 #include <array>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "gguf_blocks.h"
 #include "gguf_simd.h"
+#include "gguf_simd_avx2.h"
+
+#if defined(PREFIXCACHE_GGUF_AVX512) || defined(PREFIXCACHE_GGUF_AVX2)
+#define PREFIXCACHE_GGUF_SIMD 1
+#endif
 
 namespace prefixcache::gguf {
 
@@ -53,14 +59,14 @@ constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per 
 using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
                          int64_t first, int64_t last, float* y, int64_t out);
 
-// A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, AVX-512 ones.
+// A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, SIMD ones.
 struct Kernels {
   Format portable;
   DecodeRun fast_decode;  // the same values as portable.decode
   const DotRows* dots;    // kMaxRows entries, or nullptr: decode into a buffer, then dot
 };
 
-#ifdef PREFIXCACHE_GGUF_AVX512
+#ifdef PREFIXCACHE_GGUF_SIMD
 template <class D, size_t... R>
 constexpr std::array<DotRows, kMaxRows> dots_for(std::index_sequence<R...>) {
   return {simd::dot_rows<D, static_cast<int>(R) + 1>...};
@@ -170,7 +176,7 @@ void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, tokens - t0);
     float* ys = y + t0 * w.rows;
-#ifdef PREFIXCACHE_GGUF_AVX512
+#ifdef PREFIXCACHE_GGUF_SIMD
     if (w.k->dots && rows > 1) simd::interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
 #endif
     at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
@@ -230,9 +236,21 @@ at::Tensor matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   return y;
 }
 
+// Which decoders this build has: what benchmarks print, and what tests hold against the CPU.
+std::string simd_name() {
+#if defined(PREFIXCACHE_GGUF_AVX512)
+  return "avx512";
+#elif defined(PREFIXCACHE_GGUF_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
+  m.def("gguf_simd() -> str", &simd_name);
   m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
   m.def(
       "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "

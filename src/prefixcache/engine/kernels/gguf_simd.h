@@ -32,10 +32,7 @@ inline __m512 lookup32(__m512 low, __m512 high, __m128i codes) {
 
 // Each decoder: `kParts` groups of 32 values per block; `State(b)` is what a block's parts
 // share (its scales), part(b, state, p, lo, hi) gives values 32p..32p+15 in `lo` and
-// 32p+16..32p+31 in `hi`.
-struct NoState {
-  explicit NoState(const uint8_t*) {}
-};
+// 32p+16..32p+31 in `hi`. The states (NoState, K4Scales, K6Scales) are in gguf_blocks.h.
 struct Q8_0 {
   static constexpr int64_t kValues = 32, kBytes = 34, kParts = 1;
   using State = NoState;
@@ -114,19 +111,6 @@ inline void k4_codes(const uint8_t* qs, int p, __m128i& lo, __m128i& hi) {
   }
 }
 
-// Q4_K/Q5_K: the 8 sub-blocks' `d * scale` and `dmin * min`, once per block.
-struct K4Scales {
-  float a[8], m[8];
-  explicit K4Scales(const uint8_t* b) {
-    const float d = detail::half_at(b), dmin = detail::half_at(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int scale, min;
-      detail::scale_min_k4(b + 4, j, scale, min);
-      a[j] = d * static_cast<float>(scale);
-      m[j] = dmin * static_cast<float>(min);
-    }
-  }
-};
 
 struct Q4_K {
   static constexpr int64_t kValues = 256, kBytes = 144, kParts = 8;
@@ -156,15 +140,6 @@ struct Q5_K {
   }
 };
 
-// Q6_K: the block's 16 `d * scale`, once per block.
-struct K6Scales {
-  float a[16];
-  explicit K6Scales(const uint8_t* b) {
-    const float d = detail::half_at(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int g = 0; g < 16; ++g) a[g] = d * static_cast<float>(sc[g]);
-  }
-};
 
 struct Q6_K {
   static constexpr int64_t kValues = 256, kBytes = 210, kParts = 8;
