@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from engine_fixtures import run_to_completion
-from prefixcache.engine import weight_cache
+from prefixcache.engine import kernels, weight_cache
 from prefixcache.engine.cache_folder import default_cache_dir
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.model_files import default_model_path
-from prefixcache.engine.packed import packed_tensors
+from prefixcache.engine.models import build_model
+from prefixcache.engine.packed import PackedMismatch, load_packed, packed_tensors
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.weight_cache import EVENTS, build, cache_key, load_serving_model
+from prefixcache.engine.weight_types.linear import PackedLinear
 from prefixcache.engine.weights import LoadedModel, load_model
 from test_weights import TINY as WEIGHTS_TINY
 from test_weights import add_tiny_metadata, gguf_tensors, tiny_state
@@ -91,8 +93,26 @@ def test_default_model_round_trip(tmp_path: Path) -> None:
     built = load_serving_model(None, tmp_path)
     read = load_serving_model(None, tmp_path)
     assert_same_model(built, read)
-    assert type(read.model.head).__name__ == "Int4Head"
+    expected = "PackedLinear" if kernels.simd_decoders() else "Int4Head"
+    assert type(read.model.head).__name__ == expected
     assert greedy(read, 6) == greedy(built, 6)
+
+
+def test_a_stored_packed_head_of_a_bad_type_or_shape_is_refused() -> None:
+    """The head's stored GGUF type and blocks are checked before use (a rebuild follows)."""
+    loaded = load_model(default_model_path())
+    model = build_model(loaded.config)
+    model.load_quantized(loaded.state_dict, loaded.quantized)
+    if not isinstance(model.head, PackedLinear):
+        model.head = PackedLinear(loaded.quantized["model.embed_tokens.weight"])
+    good = packed_tensors(model)
+    bad_type = {**good, "head.ggml_type": torch.tensor([99])}
+    with pytest.raises(PackedMismatch, match="GGML type 99"):
+        load_packed(build_model(loaded.config), bad_type)
+    short = {**good, "head.blocks": good["head.blocks"][:, :-34]}
+    with pytest.raises(PackedMismatch, match="head.blocks is torch.uint8"):
+        load_packed(build_model(loaded.config), short)
+    load_packed(build_model(loaded.config), good)  # and the good ones load
 
 
 def _flip_middle(file: Path) -> None:

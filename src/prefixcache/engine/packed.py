@@ -2,7 +2,7 @@
 
 `packed_tensors` lists every tensor a quantized `LlamaModel` runs on (its parameters, each
 int4 projection's packed codes, bf16 scale/zero pairs and `W'`, the int4 head's planes and
-norms); `load_packed` puts them into a fresh model of the same config, after checking that
+norms, or the packed head's GGUF blocks and type); `load_packed` puts them into a fresh model of the same config, after checking that
 every name, dtype and shape is one that model expects.
 """
 
@@ -15,6 +15,9 @@ import torch
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.models.llama import _PROJECTIONS, LlamaModel
 from prefixcache.engine.quant import GROUP_SIZE, KERNEL_DTYPE, Int4Linear
+from prefixcache.engine.weight_types import PackedWeight
+from prefixcache.engine.weight_types.formats import weight_type
+from prefixcache.engine.weight_types.linear import PackedLinear
 
 _HEAD_NORMS = ("norm", "error_norm", "plane_norms")
 
@@ -34,6 +37,10 @@ def packed_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
     if isinstance(model.head, Int4Head):
         out.update(_linear_tensors("head.planes.", model.head.planes))
         out.update({f"head.{n}": getattr(model.head, n) for n in _HEAD_NORMS})
+    elif isinstance(model.head, PackedLinear):
+        weight = model.head.weight
+        out["head.blocks"] = weight.blocks
+        out["head.ggml_type"] = torch.tensor([weight.wtype.code], dtype=torch.int64)
     return out
 
 
@@ -58,6 +65,8 @@ def load_packed(model: LlamaModel, tensors: Mapping[str, torch.Tensor]) -> None:
         param.data = _take(tensors, name, param.dtype, tuple(param.shape), taken)
     if "head.planes.packed" in tensors:
         model.head = _head(model, tensors, taken)
+    elif "head.blocks" in tensors:
+        model.head = _packed_head(model, tensors, taken)
     if extra := sorted(set(tensors) - taken):
         raise PackedMismatch(f"unexpected tensors {extra[:3]}")
 
@@ -116,3 +125,20 @@ def _head(model: LlamaModel, tensors: Mapping[str, torch.Tensor], taken: set[str
         norm = _take(tensors, f"head.{name}", torch.float32, (weight.shape[0],), taken)
         setattr(head, name, norm)
     return head
+
+
+def _packed_head(
+    model: LlamaModel, tensors: Mapping[str, torch.Tensor], taken: set[str]
+) -> PackedLinear:
+    """The head on its GGUF blocks, `[vocab, hidden]` of the stored type."""
+    code = _take(tensors, "head.ggml_type", torch.int64, (1,), taken)
+    shape = (model.config.vocab_size, model.config.hidden_size)
+    try:
+        wtype = weight_type(int(code[0]), "head.blocks")
+    except ValueError as error:
+        raise PackedMismatch(str(error)) from None
+    if shape[1] % wtype.block_values:
+        raise PackedMismatch(f"a {wtype.name} head cannot hold rows of {shape[1]} weights")
+    row_bytes = wtype.row_bytes(shape[1])
+    blocks = _take(tensors, "head.blocks", torch.uint8, (shape[0], row_bytes), taken)
+    return PackedLinear(PackedWeight(blocks, wtype, shape, "head.blocks"))

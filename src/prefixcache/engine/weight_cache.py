@@ -37,7 +37,7 @@ from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weights import LoadedModel, load_model
 from prefixcache.progress import Ticking, progress_bar
 
-FORMAT = 2  # bump whenever what is stored, or how the packing code computes it, changes
+FORMAT = 3  # bump whenever what is stored, or how the packing code computes it, changes
 _HEAD, _SAMPLE, _SAMPLES = 2**20, 64 * 2**10, 32  # the GGUF's cheap digest
 
 log = logging.getLogger(__name__)

@@ -180,3 +180,9 @@ def available() -> bool:
         log.warning("native kernels unavailable, decoding on the eager torch path: %s", error)
         return False
     return True
+
+
+def simd_decoders() -> bool:
+    """The native GGUF decoders are vectorized here (AVX2 or AVX-512): a packed matrix's
+    one-row product then runs near memory speed (`kernels/gguf_simd*.h`)."""
+    return available() and torch.ops.prefixcache.gguf_simd() != "portable"
