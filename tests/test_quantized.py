@@ -25,8 +25,8 @@ from prefixcache.engine.engine import EngineConfig
 from prefixcache.engine.int4_head import Int4Head
 from prefixcache.engine.models.llama import LlamaModel
 from prefixcache.engine.quant import Int4Linear, Q4Blocks
-from prefixcache.engine.weight_types.linear import PackedLinear
 from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.weight_types.linear import PackedLinear
 from test_model_logits import Pair, Runner, _hf_config, _model_config, _tokens, hf_logits
 
 # Random 3-layer models (logits std ~2): error bounds as fractions of the reference logits'

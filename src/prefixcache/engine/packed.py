@@ -2,8 +2,9 @@
 
 `packed_tensors` lists every tensor a quantized `LlamaModel` runs on (its parameters, each
 int4 projection's packed codes, bf16 scale/zero pairs and `W'`, the int4 head's planes and
-norms, or the packed head's GGUF blocks and type); `load_packed` puts them into a fresh model of the same config, after checking that
-every name, dtype and shape is one that model expects.
+norms, or the packed head's GGUF blocks and type); `load_packed` puts them into a fresh
+model of the same config, after checking that every name, dtype and shape is one that model
+expects.
 """
 
 from __future__ import annotations
