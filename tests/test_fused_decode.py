@@ -8,8 +8,9 @@ import torch
 from engine_fixtures import assert_pool_clean, default_engine, default_tokenizer, run_to_completion
 from prefixcache.engine import kernels
 from prefixcache.engine.compute_threads import release_pool
-from prefixcache.engine.fused_decode import MAX_FUSED_ROWS, fused_applies
+from prefixcache.engine.fused_decode import MAX_FUSED_ROWS, FusedWeights, fused_applies
 from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.weight_types.packed_weight import MAX_DECODE_ROWS
 
 PROMPTS = (
     "The capital of France is",
@@ -124,16 +125,15 @@ def test_a_decode_that_turns_lone_after_a_batch_rebuilds_its_copy_the_same_way()
     _assert_same(fused, eager)
 
 
-def _call_op(engine, keys: torch.Tensor, length: int, norms=None) -> None:
+def _call_op(engine, keys: torch.Tensor, length: int, norms=None, types=None) -> None:
     layer = engine.model.layers[0]
-    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    w = FusedWeights((layer.qkv, layer.o, layer.gate_up, layer.down), layer_norms)
     torch.ops.prefixcache.decode_layers(
-        torch.zeros(1, 576),
-        [layer.input_layernorm, layer.post_attention_layernorm] if norms is None else norms,
-        [x.packed for x in linears], [x.scales_and_zeros for x in linears],
-        torch.zeros(1, 64), torch.zeros(1, 64), [keys], [keys.clone()],
-        [engine.kv_store.layers[0]], length, torch.tensor([[0, 16]]), layer.num_heads,
-        layer.num_kv_heads, layer.eps, layer.scale,
+        torch.zeros(1, 576), layer_norms if norms is None else norms, w.packed, w.pairs,
+        w.types if types is None else types, torch.zeros(1, 64), torch.zeros(1, 64), [keys],
+        [keys.clone()], [engine.kv_store.layers[0]], length, torch.tensor([[0, 16]]),
+        layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale, MAX_DECODE_ROWS,
     )  # fmt: skip
 
 
@@ -146,6 +146,11 @@ def test_the_op_names_what_it_refuses() -> None:
         _call_op(engine, torch.zeros(2, 8, 64), 1)
     with pytest.raises(RuntimeError, match="per layer: 2 norms, 4 projections"):
         _call_op(engine, torch.zeros(3, 8, 64), 1, norms=[])
+    if kernels.simd_decoders():  # the layers run on their GGUF blocks: each type is checked
+        with pytest.raises(RuntimeError, match="unsupported GGML type 99"):
+            _call_op(engine, torch.zeros(3, 8, 64), 1, types=[99, 99, 99, 99])
+        with pytest.raises(RuntimeError, match="blocks must be contiguous uint8"):
+            _call_op(engine, torch.zeros(3, 8, 64), 1, types=[8, 8, 8, 8])  # Q8_0: wider rows
 
 
 def test_releasing_this_threads_openmp_pool_leaves_torch_computing() -> None:

@@ -200,12 +200,16 @@ def test_the_native_head_pass_gives_the_torch_paths_logits(monkeypatch) -> None:
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
 
 
-def test_the_default_model_runs_every_layer_weight_in_int4() -> None:
+def test_the_default_model_runs_every_layer_weight_on_its_gguf_blocks() -> None:
+    """On the GGUF blocks' vectorized kernels where this CPU has them, else torch's int4."""
     engine = default_engine()
-    assert EngineConfig().quantized_weights  # int4 is the default: the engine above has it
+    assert EngineConfig().quantized_weights  # the default: the engine above has it
     assert len(engine.int4_weights) == 7 * engine.model_config.num_layers + 1  # and the head
-    assert all(isinstance(layer.gate_up, Int4Linear) for layer in engine.model.layers)
-    assert isinstance(engine.model.head, PackedLinear if kernels.simd_decoders() else Int4Head)
+    simd = kernels.simd_decoders()
+    kind = PackedLinear if simd else Int4Linear
+    assert all(isinstance(layer.gate_up, kind) for layer in engine.model.layers)
+    assert isinstance(engine.model.head, PackedLinear if simd else Int4Head)
+    assert ("weights", "gguf" if simd else "int4") in engine._namespace_extra()
     dense = default_engine(quantized=False)
     assert not dense.int4_weights
     assert dense.manager.root_digest != engine.manager.root_digest  # other KV values

@@ -97,6 +97,16 @@ def test_matmul_matches_dequantized(native: None, name: str) -> None:
         assert_matmul_within_bound(weight, torch.randn(rows, shape[1], generator=generator))
 
 
+def test_prefill_on_a_matrix_too_large_to_decode_whole_goes_by_tiles(native: None) -> None:
+    """Past 64 MB of fp32 (an output matrix over a large vocabulary) the prefill kernel
+    decodes tile by tile instead of whole: the same bound holds."""
+    wtype = TYPES["Q4_0"]
+    shape = (32800, 512)  # 67 MB in fp32; 32,800 rows: the last tile is a partial one
+    weight = PackedWeight.from_gguf(random_blocks(wtype, *shape, seed=11), wtype.code, shape)
+    x = torch.randn(40, shape[1], generator=torch.Generator().manual_seed(12))
+    assert_matmul_within_bound(weight, x)
+
+
 @pytest.mark.parametrize("name", ["Q5_0", "Q4_K", "Q6_K", "Q8_0"])
 def test_matmul_on_gemma_shapes(native: None, name: str) -> None:
     """The shapes of Gemma 3 270M's projections of these types, decode and prefill."""

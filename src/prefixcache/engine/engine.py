@@ -33,6 +33,7 @@ from prefixcache.engine.kv_layout import kv_layout
 from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
 from prefixcache.engine.models import build_model
+from prefixcache.engine.quant import weights_kernel
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
 from prefixcache.engine.sampling import History, sample
 from prefixcache.engine.sampling_params import SamplingParams
@@ -225,11 +226,12 @@ class LLMEngine:
         return model, list(int4_names)
 
     def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
-        """What else changes the KV values: int4 weights, a KV dtype other than the model's
-        (so digests stay as they were without one, and KV of another dtype is never looked
-        up, in the tier or by a router), a hybrid layout (whose tier values are pages of
-        some layers, and whose blocks may lack window pages)."""
-        extra = [("weights", "int4")] if self.int4_weights else []
+        """What else changes the KV values: the kernel quantized weights run on ("int4" or
+        "gguf"), a KV dtype other than the model's (so digests stay as they were without one,
+        and KV of another dtype is never looked up, in the tier or by a router), a hybrid
+        layout (whose tier values are pages of some layers, and whose blocks may lack window
+        pages)."""
+        extra = [("weights", weights_kernel(self.model))] if self.int4_weights else []
         if self.kv_dtype != self.config.dtype:
             extra.append(("kv_cache_dtype", self.kv_cache_dtype))
         if self.layout.groups:  # pages of some layers each: a tier value of another shape

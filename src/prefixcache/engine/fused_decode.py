@@ -1,10 +1,10 @@
 """One sequence's forward, all layers in one native call (`kernels/decode_layer.cpp`).
 
 The eager `DecoderLayer` runs ~25 torch ops per layer, and for a few tokens their Python and
-dispatch overhead costs as much as the matmuls. When the model is fp32 on int4 weights (with
-an fp32, bf16 or int8 KV store), the native kernels load, and the batch is one sequence
-adding at most `MAX_FUSED_ROWS` tokens (a decode step, or a short prompt or prompt suffix),
-the layers run in one call instead: the same int4 kernel for the projections (the same
+dispatch overhead costs as much as the matmuls. When the model is fp32 on int4 or GGUF-block
+weights (with an fp32, bf16 or int8 KV store), the native kernels load, and the batch is one
+sequence adding at most `MAX_FUSED_ROWS` tokens (a decode step, or a short prompt or prompt
+suffix), the layers run in one call instead: the same kernels for the projections (the same
 numbers), norms, RoPE, the K/V stores (the paged pool in its dtype, and the sequence's
 contiguous fp32 copy, `lone_decode.py`, holding the values as stored) and causal attention
 in C++. Anything else takes the eager path.
@@ -21,6 +21,8 @@ from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.quant import MAX_INT4_ROWS, Int4Linear
+from prefixcache.engine.weight_types.linear import PackedLinear
+from prefixcache.engine.weight_types.packed_weight import MAX_DECODE_ROWS
 
 if TYPE_CHECKING:
     from prefixcache.engine.models.llama import LlamaModel
@@ -50,7 +52,7 @@ def fused_applies(model: LlamaModel, kv_store: KVStore) -> bool:
         and model.dtype == torch.float32
         and kv_store.dtype in FUSED_KV_DTYPES
         and all(
-            isinstance(getattr(layer, p), Int4Linear)
+            isinstance(getattr(layer, p), Int4Linear | PackedLinear)
             for layer in model.layers
             for p in _PROJECTIONS
         )
@@ -72,31 +74,50 @@ def fused_decode(
     lone.refill(kv_store.layers)
     w = _weights(model)
     torch.ops.prefixcache.decode_layers(
-        h, w.norms, w.packed, w.pairs, cos, sin, lone.keys, lone.values, kv_store.layers,
-        lone.length, rows, first.num_heads, first.num_kv_heads, first.eps, first.scale,
+        h, w.norms, w.packed, w.pairs, w.types, cos, sin, lone.keys, lone.values,
+        kv_store.layers, lone.length, rows, first.num_heads, first.num_kv_heads, first.eps,
+        first.scale, MAX_DECODE_ROWS,
     )  # fmt: skip
     return h
 
 
+Projection = Int4Linear | PackedLinear
+_NO_PAIRS = torch.empty(0, dtype=torch.bfloat16)  # a GGUF projection's unused scale pairs
+
+
 class FusedWeights:
-    """Per layer, its 2 norms and its 4 projections' packed codes and scale/zero pairs, as
-    the flat lists the op takes; with what they were built from, to notice a change."""
+    """Per layer, its 2 norms and its 4 projections (int4: packed codes and scale/zero pairs,
+    type -1; GGUF: its blocks and type), as the flat lists the op takes; with what they were
+    built from, to notice a change."""
 
-    __slots__ = ("linears", "norm_pointers", "norms", "packed", "pairs")
+    __slots__ = ("linears", "norm_pointers", "norms", "packed", "pairs", "types")
 
-    def __init__(self, linears: tuple[Int4Linear, ...], norms: list[torch.Tensor]) -> None:
+    def __init__(self, linears: tuple[Projection, ...], norms: list[torch.Tensor]) -> None:
         self.linears = linears
         self.norm_pointers = [n.data_ptr() for n in norms]
         self.norms = norms
-        self.packed = [linear.packed for linear in linears]
-        self.pairs = [linear.scales_and_zeros for linear in linears]
+        self.packed = [_codes(linear) for linear in linears]
+        self.pairs = [_pairs(linear) for linear in linears]
+        self.types = [_type(linear) for linear in linears]
 
-    def built_from(self, linears: tuple[Int4Linear, ...], norms: list[torch.Tensor]) -> bool:
+    def built_from(self, linears: tuple[Projection, ...], norms: list[torch.Tensor]) -> bool:
         return (
             len(linears) == len(self.linears)
             and all(a is b for a, b in zip(linears, self.linears, strict=True))
             and [n.data_ptr() for n in norms] == self.norm_pointers
         )
+
+
+def _codes(linear: Projection) -> torch.Tensor:
+    return linear.weight.blocks if isinstance(linear, PackedLinear) else linear.packed
+
+
+def _pairs(linear: Projection) -> torch.Tensor:
+    return _NO_PAIRS if isinstance(linear, PackedLinear) else linear.scales_and_zeros
+
+
+def _type(linear: Projection) -> int:
+    return linear.weight.wtype.code if isinstance(linear, PackedLinear) else -1
 
 
 def _weights(model: LlamaModel) -> FusedWeights:

@@ -2,9 +2,9 @@
 
 `packed_tensors` lists every tensor a quantized `LlamaModel` runs on (its parameters, each
 int4 projection's packed codes, bf16 scale/zero pairs and `W'`, the int4 head's planes and
-norms, or the packed head's GGUF blocks and type); `load_packed` puts them into a fresh
-model of the same config, after checking that every name, dtype and shape is one that model
-expects.
+norms, or the packed head's and embedding's GGUF blocks and type); `load_packed` puts them
+into a fresh model of the same config, after checking that every name, dtype and shape is
+one that model expects.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ class PackedMismatch(ValueError):
     """Stored tensors that do not fit the model they are loaded into."""
 
 
+def projections(model: LlamaModel) -> list[object]:
+    """Every layer's projections (qkv, o, gate_up, down), in order."""
+    return [getattr(layer, attr) for layer in model.layers for attr in _PROJECTIONS]
+
+
 def packed_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
     """Every tensor `model` computes with, by name (the tied head's matrix only once)."""
     out = {name: p.detach() for name, p in model.named_parameters()}
@@ -35,14 +40,24 @@ def packed_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
             linear = getattr(layer, attr)
             if isinstance(linear, Int4Linear):
                 out.update(_linear_tensors(f"layers.{i}.{attr}.", linear))
+            elif isinstance(linear, PackedLinear):
+                out.update(_blocks_tensors(f"layers.{i}.{attr}.", linear))
+    head_weight = model.head.weight if isinstance(model.head, PackedLinear) else None
+    if model.embedding is not None and model.embedding is not head_weight:  # tied: once
+        code = torch.tensor([model.embedding.wtype.code], dtype=torch.int64)
+        out.update({"embedding.blocks": model.embedding.blocks, "embedding.ggml_type": code})
     if isinstance(model.head, Int4Head):
         out.update(_linear_tensors("head.planes.", model.head.planes))
         out.update({f"head.{n}": getattr(model.head, n) for n in _HEAD_NORMS})
     elif isinstance(model.head, PackedLinear):
-        weight = model.head.weight
-        out["head.blocks"] = weight.blocks
-        out["head.ggml_type"] = torch.tensor([weight.wtype.code], dtype=torch.int64)
+        out.update(_blocks_tensors("head.", model.head))
     return out
+
+
+def _blocks_tensors(prefix: str, linear: PackedLinear) -> dict[str, torch.Tensor]:
+    """A matrix in its GGUF blocks: the blocks, and the type as a one-value tensor."""
+    code = torch.tensor([linear.weight.wtype.code], dtype=torch.int64)
+    return {prefix + "blocks": linear.weight.blocks, prefix + "ggml_type": code}
 
 
 def _linear_tensors(prefix: str, linear: Int4Linear) -> dict[str, torch.Tensor]:
@@ -58,16 +73,33 @@ def load_packed(model: LlamaModel, tensors: Mapping[str, torch.Tensor]) -> None:
     for i, layer in enumerate(model.layers):
         for attr, (param_name, _) in _PROJECTIONS.items():
             prefix = f"layers.{i}.{attr}."
+            param = getattr(layer, param_name)
             if prefix + "packed" in tensors:
-                param = getattr(layer, param_name)
                 setattr(layer, attr, _linear(tensors, prefix, tuple(param.shape), True, taken))
-                param.data = torch.empty(0, dtype=param.dtype)
+            elif prefix + "blocks" in tensors:
+                setattr(layer, attr, _packed(tensors, prefix, tuple(param.shape), taken))
+            else:
+                continue
+            param.data = torch.empty(0, dtype=param.dtype)
+    matrix = (model.config.vocab_size, model.config.hidden_size)
+    emptied = set()  # parameters whose packed blocks replaced them: stored empty
+    if "embedding.blocks" in tensors:
+        model.embedding = _packed(tensors, "embedding.", matrix, taken).weight
+        emptied.add("embed_tokens")
+    head_blocks = "head.blocks" in tensors
+    tied_packed = model.lm_head is None and head_blocks and _empty(tensors.get("embed_tokens"))
+    if tied_packed:  # the head's blocks are the embedding's too
+        emptied.add("embed_tokens")
+    if head_blocks and model.lm_head is not None:
+        emptied.add("lm_head")
     for name, param in model.named_parameters():
-        param.data = _take(tensors, name, param.dtype, tuple(param.shape), taken)
+        shape = (0,) if name in emptied else tuple(param.shape)
+        param.data = _take(tensors, name, param.dtype, shape, taken)
     if "head.planes.packed" in tensors:
         model.head = _head(model, tensors, taken)
-    elif "head.blocks" in tensors:
-        model.head = _packed_head(model, tensors, taken)
+    elif head_blocks:
+        model.head = _packed(tensors, "head.", matrix, taken)
+        model.embedding = model.head.weight if tied_packed else model.embedding
     if extra := sorted(set(tensors) - taken):
         raise PackedMismatch(f"unexpected tensors {extra[:3]}")
 
@@ -128,18 +160,21 @@ def _head(model: LlamaModel, tensors: Mapping[str, torch.Tensor], taken: set[str
     return head
 
 
-def _packed_head(
-    model: LlamaModel, tensors: Mapping[str, torch.Tensor], taken: set[str]
+def _packed(
+    tensors: Mapping[str, torch.Tensor], prefix: str, shape: tuple[int, ...], taken: set[str]
 ) -> PackedLinear:
-    """The head on its GGUF blocks, `[vocab, hidden]` of the stored type."""
-    code = _take(tensors, "head.ggml_type", torch.int64, (1,), taken)
-    shape = (model.config.vocab_size, model.config.hidden_size)
+    """A `[out, in]` matrix on its stored GGUF blocks, of the stored type."""
+    code = _take(tensors, prefix + "ggml_type", torch.int64, (1,), taken)
+    out, num_in = shape
     try:
-        wtype = weight_type(int(code[0]), "head.blocks")
+        wtype = weight_type(int(code[0]), prefix + "blocks")
     except ValueError as error:
         raise PackedMismatch(str(error)) from None
-    if shape[1] % wtype.block_values:
-        raise PackedMismatch(f"a {wtype.name} head cannot hold rows of {shape[1]} weights")
-    row_bytes = wtype.row_bytes(shape[1])
-    blocks = _take(tensors, "head.blocks", torch.uint8, (shape[0], row_bytes), taken)
-    return PackedLinear(PackedWeight(blocks, wtype, shape, "head.blocks"))
+    if num_in % wtype.block_values:
+        raise PackedMismatch(f"{prefix}blocks: {wtype.name} rows cannot hold {num_in} weights")
+    blocks = _take(tensors, prefix + "blocks", torch.uint8, (out, wtype.row_bytes(num_in)), taken)
+    return PackedLinear(PackedWeight(blocks, wtype, (out, num_in), prefix + "blocks"))
+
+
+def _empty(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.numel() == 0

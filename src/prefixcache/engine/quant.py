@@ -210,3 +210,11 @@ def rounded_dense_matmul(linear: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def weights_kernel(model: torch.nn.Module) -> str:
+    """Which kernel the layers' quantized weights run on, a KV namespace field (the KV values
+    differ): int4 if any projection is torch's int4 kernel (bf16 activations), else gguf."""
+    layers = getattr(model, "layers", ())
+    int4 = any(isinstance(v, Int4Linear) for layer in layers for v in vars(layer).values())
+    return "int4" if int4 else "gguf"

@@ -32,12 +32,14 @@ from prefixcache.engine.fused_decode import fused_supported
 from prefixcache.engine.model_files import model_source
 from prefixcache.engine.models import build_model
 from prefixcache.engine.models.llama import LlamaModel
-from prefixcache.engine.packed import load_packed, packed_tensors
+from prefixcache.engine.packed import load_packed, packed_tensors, projections
+from prefixcache.engine.quant import Int4Linear
 from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.weight_types.linear import PackedLinear
 from prefixcache.engine.weights import LoadedModel, load_model
 from prefixcache.progress import Ticking, progress_bar
 
-FORMAT = 3  # bump whenever what is stored, or how the packing code computes it, changes
+FORMAT = 4  # bump whenever what is stored, or how the packing code computes it, changes
 _HEAD, _SAMPLE, _SAMPLES = 2**20, 64 * 2**10, 32  # the GGUF's cheap digest
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,14 @@ def load_serving_model(path: str | Path | None, folder: Path | None) -> LoadedMo
 
 
 def cacheable(loaded: LoadedModel) -> bool:
-    """Whether a built model can be stored: a plain Llama (what `packed.py` knows)."""
-    return isinstance(loaded.model, LlamaModel) and fused_supported(loaded.config)
+    """Whether a built model can be stored: a plain Llama whose projections are each one
+    int4 or one GGUF matrix (what `packed.py` knows)."""
+    model = loaded.model
+    return (
+        isinstance(model, LlamaModel)
+        and fused_supported(loaded.config)
+        and all(isinstance(p, Int4Linear | PackedLinear) for p in projections(model))
+    )
 
 
 def build(source: Path) -> LoadedModel:

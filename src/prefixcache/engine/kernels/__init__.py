@@ -35,6 +35,7 @@ SOURCES = (
     "decode_layer.h",
     "gguf_blocks.h",
     "gguf_matmul.cpp",
+    "gguf_matmul.h",
     "gguf_simd.h",
     "gguf_simd_avx2.h",
     "head_logits.cpp",

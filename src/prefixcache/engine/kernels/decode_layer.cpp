@@ -1,8 +1,10 @@
 // model.DecoderLayer for the new tokens of one sequence, in one call: the projections on
-// torch's int4 kernel (the same numbers as the eager path), norms, RoPE, the K/V stores and
-// attention in C++ loops, instead of ~25 torch ops, each with its Python and dispatch cost.
+// torch's int4 kernel or on the GGUF blocks (the same numbers as the eager path), norms,
+// RoPE, the K/V stores and attention in C++ loops, instead of ~25 torch ops, each with its
+// Python and dispatch cost.
 #include "decode_layer.h"
 
+#include "gguf_matmul.h"
 #include "round_bf16.h"
 
 #include <ATen/Parallel.h>
@@ -20,8 +22,10 @@ namespace {
 constexpr int64_t kGroupSize = 32;  // inputs per scale/zero pair (quant.GROUP_SIZE)
 constexpr int64_t kSdpaWork = 512;  // new tokens x context from which SDPA beats the loops
 
-// bf16(bf16(x) . W'^T) in fp32, as quant.Int4Linear computes rows.
-at::Tensor project(const at::Tensor& x, const Int4Projection& p) {
+// As the eager layer computes rows: bf16(bf16(x) . W'^T) in fp32 (quant.Int4Linear), or
+// x . W^T in fp32 on the GGUF blocks (PackedLinear, the same kernel and row limit).
+at::Tensor project(const at::Tensor& x, const Projection& p, const LayerShape& s) {
+  if (p.ggml_type >= 0) return gguf::matmul(x.contiguous(), p.packed, p.ggml_type, p.in, s.max_decode_rows);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), p.packed, kGroupSize,
                                                  p.scales_and_zeros);
   return y.to(at::kFloat);
@@ -195,11 +199,11 @@ void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, con
   at::Tensor x = at::empty({tokens, width}, h.options());
   at::Tensor normed = x.narrow(1, 0, s.hidden);
   rms_norm(hp, w.input_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
-  at::Tensor qkv = project(normed, w.qkv);
+  at::Tensor qkv = project(normed, w.qkv, s);
   store_kv(qkv.data_ptr<float>(), tokens, s, cos, sin, kv);
-  add(hp, project(attend(qkv, tokens, kv, s), w.o));
+  add(hp, project(attend(qkv, tokens, kv, s), w.o, s));
   rms_norm(hp, w.post_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
-  at::Tensor gate_up = project(normed, w.gate_up);
+  at::Tensor gate_up = project(normed, w.gate_up, s);
   float* act = x.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
     const float* gu = gate_up.data_ptr<float>() + t * 2 * s.intermediate;
@@ -208,7 +212,7 @@ void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, con
       act[t * width + i] = gate / (1.0f + std::exp(-gate)) * gu[s.intermediate + i];
     }
   }
-  add(hp, project(x.narrow(1, 0, s.intermediate), w.down));
+  add(hp, project(x.narrow(1, 0, s.intermediate), w.down, s));
 }
 
 }  // namespace prefixcache

@@ -9,21 +9,25 @@
 
 namespace prefixcache {
 
-// An int4 projection as torch's CPU kernel takes it (quant.Int4Linear).
-struct Int4Projection {
-  at::Tensor packed;            // uint8 [N, K / 2]
-  at::Tensor scales_and_zeros;  // bf16 [K / 32, N, 2]
+// A projection: an int4 one as torch's CPU kernel takes it (quant.Int4Linear; `ggml_type`
+// -1), or a GGUF matrix in its own blocks (weight_types.PackedLinear; `ggml_type` its type).
+struct Projection {
+  at::Tensor packed;            // int4: uint8 [N, K / 2]; GGUF: its blocks, uint8 [N, row bytes]
+  at::Tensor scales_and_zeros;  // int4: bf16 [K / 32, N, 2]; GGUF: unused
+  int64_t ggml_type;            // -1: int4
+  int64_t in;                   // K
 };
 
 struct LayerWeights {
   const float* input_norm;
   const float* post_norm;
-  Int4Projection qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
 };
 
 struct LayerShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
+  int64_t max_decode_rows;  // GGUF projections: packed_weight.MAX_DECODE_ROWS, as eager
 };
 
 // Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "decode_layer.h"
+#include "gguf_matmul.h"
 #include "head_logits.h"
 #include "kv_rows.h"
 #include "round_bf16.h"
@@ -19,27 +20,33 @@ float* floats(const at::Tensor& t, int64_t numel, const char* name) {
   return t.data_ptr<float>();
 }
 
-Int4Projection projection(const at::Tensor& packed, const at::Tensor& pairs, int64_t cols) {
+// An int4 projection (`type` -1) or a GGUF one of `type`, checked for `cols` inputs.
+Projection projection(const at::Tensor& packed, const at::Tensor& pairs, int64_t type, int64_t cols) {
+  if (type >= 0) {
+    gguf::check_blocks(packed, type, cols);
+    return {packed, pairs, type, cols};
+  }
   TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 2 && packed.size(1) * 2 == cols,
               "packed codes must be uint8 [N, ", cols / 2, "]");
   TORCH_CHECK(pairs.dtype() == at::kBFloat16 && pairs.dim() == 3 && pairs.size(1) == packed.size(0),
               "scales_and_zeros must be bf16 [K / 32, N, 2]");
-  return {packed, pairs};
+  return {packed, pairs, -1, cols};
 }
 
 // One layer's weights from the flat lists: 2 norms, then 4 projections, per layer.
 LayerWeights layer_weights(at::TensorList norms, at::TensorList packed, at::TensorList pairs,
-                           int64_t layer, const LayerShape& s) {
+                           at::IntArrayRef types, int64_t layer, const LayerShape& s) {
   const at::Tensor* p = packed.data() + 4 * layer;
   const at::Tensor* z = pairs.data() + 4 * layer;
+  const int64_t* t = types.data() + 4 * layer;
   TORCH_CHECK(p[0].size(0) == (s.heads + 2 * s.kv_heads) * s.head_dim &&
                   p[1].size(0) == s.hidden && p[2].size(0) == 2 * s.intermediate &&
                   p[3].size(0) == s.hidden,
               "layer ", layer, ": projection shapes do not match the heads and the hidden size");
   return {floats(norms[2 * layer], s.hidden, "input_norm"),
           floats(norms[2 * layer + 1], s.hidden, "post_norm"),
-          projection(p[0], z[0], s.hidden), projection(p[1], z[1], s.heads * s.head_dim),
-          projection(p[2], z[2], s.hidden), projection(p[3], z[3], s.intermediate)};
+          projection(p[0], z[0], t[0], s.hidden), projection(p[1], z[1], t[1], s.heads * s.head_dim),
+          projection(p[2], z[2], t[2], s.hidden), projection(p[3], z[3], t[3], s.intermediate)};
 }
 
 // The new tokens' K/V targets in one layer: its contiguous copy and the rows of its pool.
@@ -59,28 +66,30 @@ KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::T
 }
 
 void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
-                      at::TensorList pairs, const at::Tensor& cos, const at::Tensor& sin,
-                      at::TensorList keys, at::TensorList values, at::TensorList caches,
-                      int64_t length, const at::Tensor& rows, int64_t heads, int64_t kv_heads,
-                      double eps, double scale) {
+                      at::TensorList pairs, at::IntArrayRef types, const at::Tensor& cos,
+                      const at::Tensor& sin, at::TensorList keys, at::TensorList values,
+                      at::TensorList caches, int64_t length, const at::Tensor& rows, int64_t heads,
+                      int64_t kv_heads, double eps, double scale, int64_t max_decode_rows) {
   int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers > 0 && norms.size() == 2 * caches.size() &&
                   packed.size() == 4 * caches.size() && pairs.size() == packed.size() &&
-                  keys.size() == caches.size() && values.size() == caches.size(),
-              "per layer: 2 norms, 4 projections (qkv, o, gate_up, down), keys, values, cache");
+                  types.size() == packed.size() && keys.size() == caches.size() &&
+                  values.size() == caches.size(),
+              "per layer: 2 norms, 4 projections (qkv, o, gate_up, down) with their types, keys, "
+              "values, cache");
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1, "h must be [tokens, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must group by kv_heads");
   int64_t tokens = h.size(0), hidden = h.size(1), dim = keys[0].size(-1);
   TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous() && rows.dim() == 2 &&
                   rows.size(0) == tokens && rows.size(1) == 2,
               "rows must be int64 [tokens, 2] (each token's K and V rows of the pool)");
-  LayerShape s{hidden, heads, kv_heads, dim, packed[3].size(1) * 2, static_cast<float>(eps),
-               static_cast<float>(scale)};
+  LayerShape s{hidden, heads, kv_heads, dim, packed[2].size(0) / 2, static_cast<float>(eps),
+               static_cast<float>(scale), max_decode_rows};
   floats(h, tokens * hidden, "h");
   const float* c = floats(cos, tokens * dim, "cos");
   const float* sn = floats(sin, tokens * dim, "sin");
   for (int64_t layer = 0; layer < layers; ++layer) {
-    LayerWeights w = layer_weights(norms, packed, pairs, layer, s);
+    LayerWeights w = layer_weights(norms, packed, pairs, types, layer, s);
     decode_layer(h, w, s, c, sn, kv_target(keys[layer], values[layer], caches[layer], length, rows, s));
   }
 }
@@ -119,8 +128,9 @@ TORCH_LIBRARY(prefixcache, m) {
       "Tensor plane_norms, int planes, float safety) -> Tensor");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
-      "Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, Tensor(d!)[] caches, "
-      "int length, Tensor rows, int heads, int kv_heads, float eps, float scale) -> ()");
+      "int[] ggml_types, Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, "
+      "Tensor(d!)[] caches, int length, Tensor rows, int heads, int kv_heads, float eps, "
+      "float scale, int max_decode_rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
