@@ -17,10 +17,12 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
     "Write a haiku about the sea.",
 )
-# Nats. The int4 kernel rounds every projection to bf16, so fp32 sums taken in another order
-# (the C++ norms and attention) flip a few roundings, which grow over 30 layers and the
-# steps: the eager path itself, lone against batched, differs by up to 0.05 on these prompts.
-LOGPROB_TOLERANCE = 0.15
+# Nats. On the GGUF blocks (where the decoders are vectorized) both paths run the same fp32
+# projections and differ only in the order of the norms' and attention's fp32 sums: measured
+# 7e-6 over 3 prompts x 24 steps, lone and staggered. On torch's int4 kernel every
+# projection is rounded to bf16, so those orders flip a few roundings, which grow over 30
+# layers and the steps: the eager path itself, lone against batched, differs by up to 0.05.
+LOGPROB_TOLERANCE = 1e-3 if kernels.simd_decoders() else 0.15
 
 
 def _greedy(tokens: int) -> SamplingParams:
