@@ -45,17 +45,18 @@ def fused_supported(config: ModelConfig) -> bool:
     )
 
 
+def projections(model: LlamaModel) -> tuple[object, ...]:
+    """Every layer's projections (qkv, o, gate_up, down), layer by layer."""
+    return tuple(getattr(layer, p) for layer in model.layers for p in _PROJECTIONS)
+
+
 def fused_applies(model: LlamaModel, kv_store: KVStore) -> bool:
     """Whether this model and store can decode on the fused layers."""
     return (
         fused_supported(model.config)
         and model.dtype == torch.float32
         and kv_store.dtype in FUSED_KV_DTYPES
-        and all(
-            isinstance(getattr(layer, p), Int4Linear | PackedLinear)
-            for layer in model.layers
-            for p in _PROJECTIONS
-        )
+        and all(isinstance(p, Int4Linear | PackedLinear) for p in projections(model))
         and kernels.available()
     )
 
@@ -96,9 +97,8 @@ class FusedWeights:
         self.linears = linears
         self.norm_pointers = [n.data_ptr() for n in norms]
         self.norms = norms
-        self.packed = [_codes(linear) for linear in linears]
-        self.pairs = [_pairs(linear) for linear in linears]
-        self.types = [_type(linear) for linear in linears]
+        parts = [_op_parts(linear) for linear in linears]
+        self.packed, self.pairs, self.types = (list(column) for column in zip(*parts, strict=True))
 
     def built_from(self, linears: tuple[Projection, ...], norms: list[torch.Tensor]) -> bool:
         return (
@@ -108,21 +108,16 @@ class FusedWeights:
         )
 
 
-def _codes(linear: Projection) -> torch.Tensor:
-    return linear.weight.blocks if isinstance(linear, PackedLinear) else linear.packed
-
-
-def _pairs(linear: Projection) -> torch.Tensor:
-    return _NO_PAIRS if isinstance(linear, PackedLinear) else linear.scales_and_zeros
-
-
-def _type(linear: Projection) -> int:
-    return linear.weight.wtype.code if isinstance(linear, PackedLinear) else -1
+def _op_parts(linear: Projection) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the op takes of one projection: its codes, its scale pairs and its GGML type."""
+    if isinstance(linear, PackedLinear):
+        return linear.weight.blocks, _NO_PAIRS, linear.weight.wtype.code
+    return linear.packed, linear.scales_and_zeros, -1
 
 
 def _weights(model: LlamaModel) -> FusedWeights:
     """The model's `FusedWeights`, built once, and again if a layer's weights were replaced."""
-    linears = tuple(getattr(layer, p) for layer in model.layers for p in _PROJECTIONS)
+    linears = projections(model)
     norms = [
         n.data
         for layer in model.layers

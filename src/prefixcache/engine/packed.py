@@ -27,11 +27,6 @@ class PackedMismatch(ValueError):
     """Stored tensors that do not fit the model they are loaded into."""
 
 
-def projections(model: LlamaModel) -> list[object]:
-    """Every layer's projections (qkv, o, gate_up, down), in order."""
-    return [getattr(layer, attr) for layer in model.layers for attr in _PROJECTIONS]
-
-
 def packed_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
     """Every tensor `model` computes with, by name (the tied head's matrix only once)."""
     out = {name: p.detach() for name, p in model.named_parameters()}
@@ -41,23 +36,22 @@ def packed_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
             if isinstance(linear, Int4Linear):
                 out.update(_linear_tensors(f"layers.{i}.{attr}.", linear))
             elif isinstance(linear, PackedLinear):
-                out.update(_blocks_tensors(f"layers.{i}.{attr}.", linear))
+                out.update(_blocks_tensors(f"layers.{i}.{attr}.", linear.weight))
     head_weight = model.head.weight if isinstance(model.head, PackedLinear) else None
     if model.embedding is not None and model.embedding is not head_weight:  # tied: once
-        code = torch.tensor([model.embedding.wtype.code], dtype=torch.int64)
-        out.update({"embedding.blocks": model.embedding.blocks, "embedding.ggml_type": code})
+        out.update(_blocks_tensors("embedding.", model.embedding))
     if isinstance(model.head, Int4Head):
         out.update(_linear_tensors("head.planes.", model.head.planes))
         out.update({f"head.{n}": getattr(model.head, n) for n in _HEAD_NORMS})
-    elif isinstance(model.head, PackedLinear):
-        out.update(_blocks_tensors("head.", model.head))
+    elif head_weight is not None:
+        out.update(_blocks_tensors("head.", head_weight))
     return out
 
 
-def _blocks_tensors(prefix: str, linear: PackedLinear) -> dict[str, torch.Tensor]:
+def _blocks_tensors(prefix: str, weight: PackedWeight) -> dict[str, torch.Tensor]:
     """A matrix in its GGUF blocks: the blocks, and the type as a one-value tensor."""
-    code = torch.tensor([linear.weight.wtype.code], dtype=torch.int64)
-    return {prefix + "blocks": linear.weight.blocks, prefix + "ggml_type": code}
+    code = torch.tensor([weight.wtype.code], dtype=torch.int64)
+    return {prefix + "blocks": weight.blocks, prefix + "ggml_type": code}
 
 
 def _linear_tensors(prefix: str, linear: Int4Linear) -> dict[str, torch.Tensor]:

@@ -28,11 +28,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as Backend
 
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.fused_decode import fused_supported
+from prefixcache.engine.fused_decode import fused_supported, projections
 from prefixcache.engine.model_files import model_source
 from prefixcache.engine.models import build_model
 from prefixcache.engine.models.llama import LlamaModel
-from prefixcache.engine.packed import load_packed, packed_tensors, projections
+from prefixcache.engine.packed import load_packed, packed_tensors
 from prefixcache.engine.quant import Int4Linear
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.engine.weight_types.linear import PackedLinear

@@ -344,8 +344,9 @@ class LlamaModel(nn.Module):
             done += layer.quantize(f"model.layers.{i}.", blocks)
         name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head = blocks.get(name)
+        simd = kernels.simd_decoders()
         planes = None
-        if not (isinstance(head, PackedWeight) and kernels.simd_decoders()):
+        if not (isinstance(head, PackedWeight) and simd):
             planes = _int4(head) or (as_q8_blocks(head) if isinstance(head, PackedWeight) else None)
         if planes is not None and self.dtype == torch.float32 and can_pack(planes.codes.shape):
             self.head = Int4Head(planes, self._head_weight().detach())
@@ -357,10 +358,11 @@ class LlamaModel(nn.Module):
             done.append(name)
         embedding = blocks.get("model.embed_tokens.weight")
         head_reads_it = self.lm_head is None and isinstance(self.head, Int4Head | DenseLinear)
-        if isinstance(embedding, PackedWeight) and kernels.simd_decoders() and not head_reads_it:
+        if isinstance(embedding, PackedWeight) and simd and not head_reads_it:
             self.embedding = embedding  # looked up by rows; the dense copy is dropped
             self.embed_tokens.data = torch.empty(0, dtype=self.dtype)
-            done += [] if name == "model.embed_tokens.weight" else ["model.embed_tokens.weight"]
+            if self.lm_head is not None:  # tied, it is the head's name, done already
+                done.append("model.embed_tokens.weight")
         return done
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
