@@ -99,29 +99,29 @@ def cache_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     ]
     for name, documentation, value in gauges:
         yield GaugeMetricFamily(f"prefixcache_{name}", documentation, value=value)
-    states = GaugeMetricFamily(
-        "prefixcache_kv_blocks_by_state",
+    yield by_label(
+        GaugeMetricFamily,
+        "kv_blocks_by_state",
         "KV blocks by state: running (held by live requests), cached (free, evictable, holding "
         "a prefix), retained (free, kept by a retention mark), free (holding nothing)",
-        labels=["state"],
+        "state",
+        snapshot.pool_states,
     )
-    for state, count in snapshot.pool_states:
-        states.add_metric([state], count)
-    yield states
-    per_token = GaugeMetricFamily(
-        "prefixcache_kv_bytes_per_token",
+    yield by_label(
+        GaugeMetricFamily,
+        "kv_bytes_per_token",
         "Bytes one cached token takes in the KV pool: all layers, K and V, int8 scales "
         "included; by the pool's KV dtype",
-        labels=["dtype"],
+        "dtype",
+        [(snapshot.kv_cache_dtype, snapshot.kv_bytes_per_token)],
     )
-    per_token.add_metric([snapshot.kv_cache_dtype], snapshot.kv_bytes_per_token)
-    yield per_token
-    hits = CounterMetricFamily(
-        "prefixcache_cached_tokens", "Prompt tokens not computed, by source", labels=["source"]
+    yield by_label(
+        CounterMetricFamily,
+        "cached_tokens",
+        "Prompt tokens not computed, by source",
+        "source",
+        [("pool", snapshot.hits), ("tier", snapshot.tier_hits)],
     )
-    hits.add_metric(["pool"], snapshot.hits)
-    hits.add_metric(["tier"], snapshot.tier_hits)
-    yield hits
     yield from owner_metrics(snapshot.owners)
     if snapshot.windows is not None:
         yield from window_metrics(snapshot.windows)
@@ -148,15 +148,14 @@ def window_metrics(windows: WindowCounters) -> Iterator[Metric]:
         ),
     ):
         yield CounterMetricFamily(f"prefixcache_{name}", documentation, value=value)
-    per_group = GaugeMetricFamily(
-        "prefixcache_kv_bytes_per_cached_token",
+    yield by_label(
+        GaugeMetricFamily,
+        "kv_bytes_per_cached_token",
         "KV bytes per cached token, by group: the full layers' page, each window group's pages "
         "over every cached token (they keep only their window)",
-        labels=["group"],
+        "group",
+        windows.bytes_per_cached_token,
     )
-    for group, value in windows.bytes_per_cached_token:
-        per_group.add_metric([group], value)
-    yield per_group
 
 
 DEFAULT_OWNER_LABEL = "default"  # requests that named no tenant (library use)
@@ -176,19 +175,34 @@ def step_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
             "The step time target while others wait or stream (--step-target-ms)",
             value=snapshot.step_target,
         )
-    pauses = CounterMetricFamily(
-        "prefixcache_prefill_pauses", "Running prefills paused, by cause", labels=["cause"]
+    yield by_label(
+        CounterMetricFamily,
+        "prefill_pauses",
+        "Running prefills paused, by cause",
+        "cause",
+        [("priority", snapshot.num_pauses)],
     )
-    pauses.add_metric(["priority"], snapshot.num_pauses)
-    yield pauses
-    queued = CounterMetricFamily(
-        "prefixcache_queue_seconds",
+    yield by_label(
+        CounterMetricFamily,
+        "queue_seconds",
         "Seconds branches waited for admission (steps x branches waiting), by reason",
-        labels=["reason"],
+        "reason",
+        snapshot.queue_seconds,
     )
-    for reason, seconds in snapshot.queue_seconds:
-        queued.add_metric([reason], seconds)
-    yield queued
+
+
+def by_label(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    documentation: str,
+    label: str,
+    values: Iterable[tuple[str, float]],
+) -> Metric:
+    """``prefixcache_<name>`` with one sample per (label value, value)."""
+    family = kind(f"prefixcache_{name}", documentation, labels=[label])
+    for label_value, value in values:
+        family.add_metric([label_value], value)
+    return family
 
 
 def owner_metrics(
