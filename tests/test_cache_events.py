@@ -205,14 +205,20 @@ class Twins:
             check_window_tokens(manager, self.sub.of(BlockStored))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
-@settings(max_examples=120, deadline=None)
-@given(ops=OPS, token_ids=st.booleans())
-def test_events_rebuild_exactly_the_indexed_digests(config, ops, token_ids):
+def replayed(config, ops, token_ids: bool) -> Twins:
+    """Twins that applied every op, their event replay checked after each."""
     twins = Twins(config, token_ids)
     for op in ops:
         twins.apply(op)
         twins.check()
+    return twins
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@settings(max_examples=120, deadline=None)
+@given(ops=OPS, token_ids=st.booleans())
+def test_events_rebuild_exactly_the_indexed_digests(config, ops, token_ids):
+    twins = replayed(config, ops, token_ids)
     pool = twins.managers[1].pool
     assert "store" not in vars(pool) and "_forget" not in vars(pool), "no sink, no wrappers"
 
@@ -237,10 +243,7 @@ def check_group_fields(manager: KVCacheManager, event: BlockStored) -> None:
 @settings(max_examples=120, deadline=None)
 @given(ops=OPS, token_ids=st.booleans())
 def test_events_rebuild_what_every_group_of_a_hybrid_pool_holds(config, ops, token_ids):
-    twins = Twins(config, token_ids)
-    for op in ops:
-        twins.apply(op)
-        twins.check()
+    twins = replayed(config, ops, token_ids)
     assert twins.managers[1].windows.reporter is None  # no sink: the hooks cost one check
     window_events = twins.sub.of(BlockStored, 1) + twins.sub.of(BlockRemoved, 1)
     assert not twins.sub.of(BlockStored) or window_events, "the window groups report too"
