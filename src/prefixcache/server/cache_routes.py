@@ -10,9 +10,9 @@ from fastapi import FastAPI, Request
 
 from prefixcache.cache.chains import shared_prefixes
 from prefixcache.protocol import openapi
-from prefixcache.protocol.errors import ApiError
 from prefixcache.protocol.front import get_and_head
 from prefixcache.protocol.openapi import responses
+from prefixcache.protocol.query import query_limit
 
 if TYPE_CHECKING:
     from prefixcache.engine.engine import LLMEngine
@@ -35,7 +35,7 @@ def add_cache_routes(app: FastAPI, server: Server) -> None:
     async def prefixes(request: Request) -> dict:
         """Up to ``limit`` (default 10) forks and ends of the cached chains, shared first:
         digest, blocks, tokens, branches, holders."""
-        limit = _limit(request.query_params.get("limit"))
+        limit = query_limit(request.query_params.get("limit"), DEFAULT_LIMIT, MAX_LIMIT)
         return await server.async_engine.run_in_engine(lambda engine: prefix_list(engine, limit))
 
 
@@ -55,13 +55,3 @@ def prefix_list(engine: LLMEngine, limit: int) -> dict:
         for chain in chains
     ]
     return {"block_size": size, "prefixes": rows}
-
-
-def _limit(value: str | None) -> int:
-    """``limit`` from the query; 400 naming its range."""
-    if value is None:
-        return DEFAULT_LIMIT
-    digits = value.isascii() and value.isdigit() and len(value) <= 3
-    if not digits or not 1 <= int(value) <= MAX_LIMIT:
-        raise ApiError(400, f"limit: must be an integer from 1 to {MAX_LIMIT}", "limit")
-    return int(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prefixcache.protocol.errors import ApiError
+from prefixcache.protocol.query import query_limit
 from prefixcache.server.response_store import Stored, TenantResponses
 
 MAX_PAGE = 100  # input items per page (OpenAI's bound)
@@ -34,7 +35,8 @@ def delete(view: TenantResponses, response_id: str) -> dict:
 def input_items(view: TenantResponses, response_id: str, query: Mapping[str, str]) -> dict:
     """A page of the response's own input items: ``limit`` (1 to 100), ``order`` (``desc``
     by default, as OpenAI's), after the item ``after``."""
-    limit, order = _limit(query.get("limit")), query.get("order", "desc")
+    limit = query_limit(query.get("limit"), DEFAULT_PAGE, MAX_PAGE)
+    order = query.get("order", "desc")
     if order not in ORDERS:
         raise ApiError(400, f"order: must be one of {', '.join(ORDERS)}", "order")
     items = list(_stored(view, response_id).input_items)
@@ -66,12 +68,3 @@ def _stored(view: TenantResponses, response_id: str) -> Stored:
     if stored is None:
         raise not_found(response_id)
     return stored
-
-
-def _limit(value: str | None) -> int:
-    if value is None:
-        return DEFAULT_PAGE
-    digits = value.isascii() and value.isdigit() and len(value) <= 3
-    if not digits or not 1 <= int(value) <= MAX_PAGE:
-        raise ApiError(400, f"limit: must be an integer from 1 to {MAX_PAGE}", "limit")
-    return int(value)
