@@ -60,11 +60,16 @@ constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per 
 using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
                          int64_t first, int64_t last, float* y, int64_t out);
 
+// Activation rows laid out for a type's DotRows (simd::interleave), and whether one row is.
+using Interleave = void (*)(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed);
+
 // A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, SIMD ones.
 struct Kernels {
   Format portable;
-  DecodeRun fast_decode;  // the same values as portable.decode
-  const DotRows* dots;    // kMaxRows entries, or nullptr: decode into a buffer, then dot
+  DecodeRun fast_decode;    // the same values as portable.decode
+  const DotRows* dots;      // kMaxRows entries, or nullptr: decode into a buffer, then dot
+  Interleave interleave;    // with dots: the rows as they read them
+  bool copies_one_row;      // with dots: one row is laid out too (else read as it is)
 };
 
 #ifdef PREFIXCACHE_GGUF_SIMD
@@ -74,22 +79,23 @@ constexpr std::array<DotRows, kMaxRows> dots_for(std::index_sequence<R...>) {
 }
 template <class D>
 constexpr std::array<DotRows, kMaxRows> kDots = dots_for<D>(std::make_index_sequence<kMaxRows>{});
-#define FAST(T) simd::run<simd::T>, kDots<simd::T>.data()
+#define FAST(T) \
+  simd::run<simd::T>, kDots<simd::T>.data(), simd::interleave<simd::T>, simd::kCopiesOneRow<simd::T>
 #else
-#define FAST(T) nullptr, nullptr
+#define FAST(T) nullptr, nullptr, nullptr, false
 #endif
 
 #define BLOCKS(T, f, V, B) {{V, B, run<f, V, B>}, FAST(T)}
-constexpr Kernels kF32_kernels{{1, 4, run_f32}, nullptr, nullptr};
-constexpr Kernels kF16_kernels{{1, 2, run_f16}, nullptr, nullptr};
-constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, nullptr, nullptr};
+constexpr Kernels kF32_kernels{{1, 4, run_f32}, nullptr, nullptr, nullptr, false};
+constexpr Kernels kF16_kernels{{1, 2, run_f16}, nullptr, nullptr, nullptr, false};
+constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, nullptr, nullptr, nullptr, false};
 constexpr Kernels kQ4_0_kernels BLOCKS(Q4_0, decode_q4_0, 32, 18);
 constexpr Kernels kQ4_1_kernels BLOCKS(Q4_1, decode_q4_1, 32, 20);
 constexpr Kernels kQ5_0_kernels BLOCKS(Q5_0, decode_q5_0, 32, 22);
 constexpr Kernels kQ5_1_kernels BLOCKS(Q5_1, decode_q5_1, 32, 24);
 constexpr Kernels kQ8_0_kernels BLOCKS(Q8_0, decode_q8_0, 32, 34);
-constexpr Kernels kQ2_K_kernels{{256, 84, run<decode_q2_k, 256, 84>}, nullptr, nullptr};
-constexpr Kernels kQ3_K_kernels{{256, 110, run<decode_q3_k, 256, 110>}, nullptr, nullptr};
+constexpr Kernels kQ2_K_kernels{{256, 84, run<decode_q2_k, 256, 84>}, nullptr, nullptr, nullptr, false};
+constexpr Kernels kQ3_K_kernels{{256, 110, run<decode_q3_k, 256, 110>}, nullptr, nullptr, nullptr, false};
 constexpr Kernels kQ4_K_kernels BLOCKS(Q4_K, decode_q4_k, 256, 144);
 constexpr Kernels kQ5_K_kernels BLOCKS(Q5_K, decode_q5_k, 256, 176);
 constexpr Kernels kQ6_K_kernels BLOCKS(Q6_K, decode_q6_k, 256, 210);
@@ -172,17 +178,15 @@ void dot_rows(const Matrix& w, const float* x, int64_t x_stride, int64_t rows, i
 void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   const int64_t tokens = x.size(0), grain = std::max<int64_t>(1, 16384 / w.in);
   const float* xs = x.data_ptr<float>();
-  // One row interleaved is the row itself: only more rows are copied.
-  std::vector<float> packed(w.k->dots && tokens > 1 ? std::min(tokens, kMaxRows) * w.in : 0);
+  const bool copies = w.k->dots && (tokens > 1 || w.k->copies_one_row);
+  std::vector<float> packed(copies ? std::min(tokens, kMaxRows) * w.in : 0);
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, tokens - t0);
     float* ys = y + t0 * w.rows;
-#ifdef PREFIXCACHE_GGUF_SIMD
-    if (w.k->dots && rows > 1) simd::interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
-#endif
+    if (copies) w.k->interleave(xs + t0 * w.in, w.in, rows, w.in, packed.data());
     at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
       if (w.k->dots) {
-        const float* xp = rows > 1 ? packed.data() : xs + t0 * w.in;
+        const float* xp = copies ? packed.data() : xs + t0 * w.in;
         w.k->dots[rows - 1](w.data, w.row_bytes, w.in, xp, first, last, ys, w.rows);
       } else {
         dot_rows(w, xs + t0 * w.in, w.in, rows, first, last, ys, w.rows);

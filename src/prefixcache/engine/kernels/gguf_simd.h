@@ -178,7 +178,11 @@ void run(const uint8_t* src, int64_t count, float* dst) {
 // dot_rows reads: the 16 floats of inputs 16c..16c+15 of row t at packed[(c * rows + t) * 16].
 // Each load is then one base plus a constant (with 16 rows in their own layout the kernel ran
 // out of address registers, and rows a multiple of 4 KiB apart share L1 sets).
-inline void interleave(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed) {
+template <class D>
+constexpr bool kCopiesOneRow = false;  // one row is read as it is
+
+template <class D>
+void interleave(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed) {
   for (int64_t c = 0; c < in / 16; ++c) {
     for (int64_t t = 0; t < rows; ++t) {
       _mm512_storeu_ps(packed + (c * rows + t) * 16, _mm512_loadu_ps(x + t * stride + 16 * c));
