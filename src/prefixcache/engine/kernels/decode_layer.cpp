@@ -31,18 +31,6 @@ at::Tensor project(const at::Tensor& x, const Projection& p, const LayerShape& s
   return y.to(at::kFloat);
 }
 
-// Each of `rows` rows of x [rows, n], RMS-normalised and scaled, into out [rows, stride].
-void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps,
-              float* out, int64_t stride) {
-  for (int64_t r = 0; r < rows; ++r, x += n, out += stride) {
-    float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
-    float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
-  }
-}
-
 // x * cos + rotate_half(x) * sin per head; `sin` is already signed ([-sin, sin]).
 void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
   std::vector<float> head(dim);
@@ -191,6 +179,18 @@ void add(float* h, const at::Tensor& delta) {
 }
 
 }  // namespace
+
+// Each of `rows` rows of x [rows, n], RMS-normalised and scaled, into out [rows, stride].
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps,
+              float* out, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r, x += n, out += stride) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
+    float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
+  }
+}
 
 void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,
                   const float* sin, const KVTarget& kv) {

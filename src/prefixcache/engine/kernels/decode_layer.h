@@ -43,6 +43,11 @@ struct KVTarget {
   int64_t head_bytes;  // one head's row in the cache
 };
 
+// Each of `rows` rows of x [rows, n], RMS-normalised and scaled, into out [rows, stride]:
+// x / sqrt(mean(x^2) + eps) * weight, as torch's rms_norm (and the eager models' norms).
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps,
+              float* out, int64_t stride);
+
 // h [T, hidden] += attention(norm(h)), then += mlp(norm(h)): model.DecoderLayer's numbers
 // for T tokens of one sequence (causal: token i sees the context and the new tokens <= i).
 void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,

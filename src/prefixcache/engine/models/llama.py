@@ -111,8 +111,11 @@ def quantize_projections(layer: nn.Module, prefix: str, blocks: Mapping[str, Blo
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Hugging Face computes it: normalise in fp32, scale in the model dtype."""
+    """RMSNorm as Hugging Face computes it: normalise in fp32, scale in the model dtype. In
+    fp32, one native call where the kernels load (torch's takes ~8 ops: 15-35 us a call)."""
     if x.dtype == torch.float32:
+        if kernels.available():
+            return torch.ops.prefixcache.rms_norm(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
