@@ -22,7 +22,7 @@ from prefixcache.engine.weight_types.random_blocks import random_blocks
 
 TYPES = {t.name: t for t in WEIGHT_TYPES.values()}
 DECODE_ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows
-PREFILL_ROWS = (48, 200)
+PREFILL_ROWS = (48, 128, 129, 200)  # the decode kernel up to max_decode_rows() (128), sgemm past it
 UNIT = 2.0**-24
 
 

@@ -22,7 +22,7 @@ from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.quant import MAX_INT4_ROWS, Int4Linear
 from prefixcache.engine.weight_types.linear import PackedLinear
-from prefixcache.engine.weight_types.packed_weight import MAX_DECODE_ROWS
+from prefixcache.engine.weight_types.packed_weight import max_decode_rows
 
 if TYPE_CHECKING:
     from prefixcache.engine.models.llama import LlamaModel
@@ -77,7 +77,7 @@ def fused_decode(
     torch.ops.prefixcache.decode_layers(
         h, w.norms, w.packed, w.pairs, w.types, cos, sin, lone.keys, lone.values,
         kv_store.layers, lone.length, rows, first.num_heads, first.num_kv_heads, first.eps,
-        first.scale, MAX_DECODE_ROWS,
+        first.scale, max_decode_rows(),
     )  # fmt: skip
     return h
 

@@ -27,7 +27,7 @@ struct LayerWeights {
 struct LayerShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
-  int64_t max_decode_rows;  // GGUF projections: packed_weight.MAX_DECODE_ROWS, as eager
+  int64_t max_decode_rows;  // GGUF projections: packed_weight.max_decode_rows(), as eager
 };
 
 // Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`

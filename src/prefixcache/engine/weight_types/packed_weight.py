@@ -9,6 +9,7 @@ kernels, dequantization falls back to gguf-py's (the reference) and matmul to `F
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import gguf
@@ -20,9 +21,19 @@ from prefixcache.engine import kernels
 from prefixcache.engine.weight_types.formats import WeightType, weight_type
 
 # Up to this many activation rows the decode kernel runs (8 rows a pass, each pass decoding
-# the weights again); above it, tiles of dequantized weights go through sgemm. Measured with
-# `benchmarks/weight_types.py --crossover`: equal at ~32 rows for 2048 inputs, ~64 for 640.
-MAX_DECODE_ROWS = 32
+# the weights again); above it, the matrix decoded into fp32 goes through sgemm. With
+# vectorized decoders the crossover is ~96-128 rows (`benchmarks/weight_types.py
+# --crossover`): decoding a whole matrix into fp32 costs ~2.5 ms a SmolLM2 layer whatever
+# the rows, so 48-96-token chunks (100 ms steps) ran at 284-314 tok/s with a limit of 32 and
+# run at 373-394 with 128. The portable decoders keep 32: each pass there is slow.
+MAX_DECODE_ROWS = 128
+MAX_PORTABLE_DECODE_ROWS = 32
+
+
+@functools.cache
+def max_decode_rows() -> int:
+    """The row limit of the decode kernel on this CPU (the eager and fused paths share it)."""
+    return MAX_DECODE_ROWS if kernels.simd_decoders() else MAX_PORTABLE_DECODE_ROWS
 
 
 class PackedWeight:
@@ -101,7 +112,7 @@ class PackedWeight:
             return F.linear(x, self.blocks.view(torch.float32))
         if kernels.available():
             return torch.ops.prefixcache.gguf_matmul(
-                x.contiguous(), self.blocks, self.wtype.code, self.shape[1], MAX_DECODE_ROWS
+                x.contiguous(), self.blocks, self.wtype.code, self.shape[1], max_decode_rows()
             )
         return F.linear(x, self.dequantize())
 
