@@ -8,6 +8,10 @@
 #include "round_bf16.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 
 #include <algorithm>
 #include <cmath>

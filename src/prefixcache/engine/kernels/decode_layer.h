@@ -1,7 +1,7 @@
 // One decoder layer for the new tokens of one sequence, fused (decode_layer.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -11,10 +11,10 @@
 //     values at a time are decoded into a buffer that stays in L1 and dotted with every row.
 //   - Many rows (prefill): the matrix decoded into fp32 (whole, or for a very large one tile
 //     by tile, in parallel) and multiplied by sgemm (at::mm).
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -231,7 +231,9 @@ void prefill_matmul(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
   });
 }
 
-at::Tensor dequantize_op(const at::Tensor& blocks, int64_t type, int64_t in, bool portable) {
+}  // namespace
+
+at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t in, bool portable) {
   Matrix w = matrix(blocks, type, in);
   at::Tensor out = at::empty({w.rows, in}, blocks.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
@@ -240,7 +242,6 @@ at::Tensor dequantize_op(const at::Tensor& blocks, int64_t type, int64_t in, boo
   });
   return out;
 }
-
 
 // Which decoders this build has: what benchmarks print, and what tests hold against the CPU.
 std::string simd_name() {
@@ -252,8 +253,6 @@ std::string simd_name() {
   return "portable";
 #endif
 }
-
-}  // namespace
 
 void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in) { matrix(blocks, type, in); }
 
@@ -270,19 +269,6 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, i
     prefill_matmul(w, x, y);
   }
   return y;
-}
-
-TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
-  m.def("gguf_simd() -> str", &simd_name);
-  m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
-  m.def(
-      "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "
-      "int max_decode_rows) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
-  m.impl("gguf_dequantize", dequantize_op);
-  m.impl("gguf_matmul", matmul);
 }
 
 }  // namespace prefixcache::gguf

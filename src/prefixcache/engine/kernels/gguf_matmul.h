@@ -1,9 +1,10 @@
-// gguf_matmul.cpp's entry points for the other kernels (decode_layer.cpp's projections).
+// gguf_matmul.cpp's entry points: for ops.cpp's registrations and decode_layer.cpp's projections.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 
 namespace prefixcache::gguf {
 
@@ -13,5 +14,12 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in);
 // x [tokens, in] (contiguous fp32) times the packed matrix: torch.ops.prefixcache.gguf_matmul.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
                   int64_t max_decode_rows);
+
+// The matrix in fp32 [out, in] (torch.ops.prefixcache.gguf_dequantize): the SIMD decoders,
+// or the portable ones with `portable`.
+at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t in, bool portable);
+
+// Which decoders this build has ("avx512", "avx2", "portable"): torch.ops.prefixcache.gguf_simd.
+std::string simd_name();
 
 }  // namespace prefixcache::gguf

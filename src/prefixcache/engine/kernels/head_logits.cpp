@@ -3,6 +3,8 @@
 // the bound; this evaluates the same expression, then the same safety factor).
 #include "head_logits.h"
 
+#include <ATen/ops/empty.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -1,7 +1,7 @@
 // The int4 head's logits from its planes' outputs: bound, candidates, exact refinement.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace prefixcache {
 

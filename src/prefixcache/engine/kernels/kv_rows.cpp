@@ -3,6 +3,7 @@
 #include "kv_rows.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

@@ -2,7 +2,7 @@
 // fp32 in one pass, or gathered and widened to fp32 in one pass (attention's eager path).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <utility>

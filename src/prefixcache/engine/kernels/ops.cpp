@@ -1,6 +1,8 @@
 // torch.ops.prefixcache: the native kernels' checked entry points (decode_layers,
-// head_logits, round_bf16_, rms_norm, gather_kv, write_kv_).
+// head_logits, round_bf16_, rms_norm, gather_kv, write_kv_, and gguf_matmul.cpp's gguf_simd,
+// gguf_dequantize and gguf_matmul): every op of the library is registered here.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -140,6 +142,11 @@ at::Tensor& round_bf16_op(at::Tensor& x) {
 TORCH_LIBRARY(prefixcache, m) {
   m.def("round_bf16_(Tensor(a!) x) -> Tensor(a!)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("gguf_simd() -> str", &gguf::simd_name);
+  m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
+  m.def(
+      "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "
+      "int max_decode_rows) -> Tensor");
   m.def("gather_kv(Tensor cache, int which, Tensor block_ids) -> Tensor");
   m.def("write_kv_(Tensor(a!) cache, Tensor rows, Tensor(b!) k, Tensor(c!) v) -> ()");
   m.def(
@@ -157,6 +164,8 @@ TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
   m.impl("head_logits", head_logits_op);
   m.impl("round_bf16_", round_bf16_op);
   m.impl("rms_norm", rms_norm_op);
+  m.impl("gguf_dequantize", gguf::dequantize);
+  m.impl("gguf_matmul", gguf::matmul);
   m.impl("gather_kv", gather_kv);
   m.impl("write_kv_", write_kv);
 }

@@ -1,7 +1,7 @@
 // fp32 values rounded to bfloat16 precision, kept in fp32 (round_bf16.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
