@@ -11,7 +11,12 @@ from prefixcache import KVCacheManager
 from prefixcache.cli import build_parser
 from prefixcache.engine.config import DEFAULT_STEP_TARGET_MS
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, step_shape
+from prefixcache.engine.scheduler import (
+    FIRST_TOKEN_STEP_SHARE,
+    MIN_PREFILL_CHUNK,
+    Scheduler,
+    step_shape,
+)
 from prefixcache.engine.step_cost import StepCost, StepShape, chunk_attention
 from prefixcache.protocol.access_log import waited_field
 from test_scheduler import finish_all, make_request, run_step
@@ -45,8 +50,27 @@ def test_a_cached_request_runs_in_the_next_step_beside_a_long_prefill():
     assert [c.branch.request.request_id for c in chunks] == ["cached", "long"]
     assert (chunks[0].start, chunks[0].num_tokens) == (512, 8)
     assert chunks[0].branch.output.token_ids == [7]  # its first token, this step
-    assert FIXED.predict(step_shape(chunks)) <= TARGET + 1e-9
-    assert chunks[1].num_tokens == 231  # what is left of 250 ms: 240 - 8 - 1 ms
+    # the step gives "cached" its first token: it is held to a quarter of the target, and
+    # the long prompt takes what is left of 62.5 ms: 62.5 - 10 - 8 ms
+    assert FIXED.predict(step_shape(chunks)) <= FIRST_TOKEN_STEP_SHARE * TARGET + 1e-9
+    assert chunks[1].num_tokens == 44
+    finish_all(scheduler)
+
+
+def test_a_first_token_step_takes_whole_short_prompts_and_a_short_middle_chunk():
+    """Both short prompts end (first tokens) within the full target; the long one's middle
+    chunk only fills what is left of a quarter of it: 62.5 - 10 - 20 - 20 ms."""
+    scheduler = timed_scheduler()
+    scheduler.add(make_request("long", list(range(5000))).branches[0])
+    run_step(scheduler)
+    for i in range(2):
+        scheduler.add(make_request(f"short{i}", [4000 + i] * 20).branches[0])
+    chunks = run_step(scheduler)
+    sizes = {c.branch.request.request_id: c.num_tokens for c in chunks}
+    assert sizes == {"short0": 20, "short1": 20, "long": 12}
+    assert all(c.branch.output.token_ids for c in chunks[:2])
+    (alone,) = [c for c in run_step(scheduler) if c.num_tokens > 1]
+    assert alone.num_tokens in (229, 230)  # the full target: 250 - 10 - 2 x 5 ms, floored
     finish_all(scheduler)
 
 

@@ -38,6 +38,11 @@ from prefixcache.engine.step_cost import StepCost, StepShape, StepTimes, chunk_a
 
 WAIT_REASONS = ("step_time", "priority", "seats", "memory", "tier_load", "fairness")
 MIN_PREFILL_CHUNK = 32  # tokens the first prefill of a step gets, whatever the target
+# A step that gives a request its first token (its prompt's last chunk) takes middle chunks
+# of other prompts only up to this share of the target (whole prompts' ends still up to the
+# target): that request's TTFT is this step, and a long prompt loses one short step
+# (docs/benchmarks.md, issue 36: agents' TTFT beside a flood, over HTTP).
+FIRST_TOKEN_STEP_SHARE = 0.25
 
 
 class BlockLoader(Protocol):
@@ -185,6 +190,7 @@ class Scheduler:
         admission = _Admission(self._busy_owners())
         prefilled: set[Branch] = set()
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
+        first_token_step = False  # a chunk of this step ends its prompt
         self._paused.clear()
         for branch, uncached in self._prefill_order():
             if budget == 0:
@@ -194,6 +200,9 @@ class Scheduler:
             if binding:
                 limit = min(uncached, budget)
                 room = self.step_cost.tokens_fitting(shape, start, limit, target)
+                if first_token_step and room < uncached:  # a middle chunk: held short
+                    short = FIRST_TOKEN_STEP_SHARE * target
+                    room = self.step_cost.tokens_fitting(shape, start, limit, short)
             if not prefilled or self._aged(branch):  # progress, whatever the target
                 room = max(room, min(MIN_PREFILL_CHUNK, budget))
             if room == 0:
@@ -211,6 +220,7 @@ class Scheduler:
             shape = shape.with_prefill(chunk.start, chunk.num_tokens)
             prefilled.add(branch)
             budget -= chunk.num_tokens
+            first_token_step = first_token_step or gives_first_token(chunk)
         self._count_passed_over(admission.admitted)
         self._count_skipped(prefilled)
         self._count_waits(waits, prefilled)
@@ -447,6 +457,12 @@ class Scheduler:
         if branch.seq is not None:
             self.manager.free(branch.seq)
             branch.seq = None
+
+
+def gives_first_token(chunk: ScheduledChunk) -> bool:
+    """The chunk ends its branch's prompt: the step samples the branch's first token."""
+    seq = chunk.branch.seq
+    return seq is not None and chunk.start + chunk.num_tokens == seq.num_prompt_tokens
 
 
 def is_decode(branch: Branch) -> bool:
