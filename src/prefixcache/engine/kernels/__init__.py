@@ -187,4 +187,11 @@ def available() -> bool:
 def simd_decoders() -> bool:
     """The native GGUF decoders are vectorized here (AVX2 or AVX-512): a packed matrix's
     one-row product then runs near memory speed (`kernels/gguf_simd*.h`)."""
-    return available() and torch.ops.prefixcache.gguf_simd() != "portable"
+    return available() and _decoders() != "portable"
+
+
+@functools.cache
+def _decoders() -> str:
+    """The loaded library's decoders (`gguf_simd()`): fixed once it is loaded, and asked on
+    every packed matmul (`packed_weight.max_decode_rows`), so the op is called once."""
+    return torch.ops.prefixcache.gguf_simd()

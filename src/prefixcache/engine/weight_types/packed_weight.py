@@ -9,7 +9,6 @@ kernels, dequantization falls back to gguf-py's (the reference) and matmul to `F
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import gguf
@@ -30,7 +29,6 @@ MAX_DECODE_ROWS = 128
 MAX_PORTABLE_DECODE_ROWS = 32
 
 
-@functools.cache
 def max_decode_rows() -> int:
     """The row limit of the decode kernel on this CPU (the eager and fused paths share it)."""
     return MAX_DECODE_ROWS if kernels.simd_decoders() else MAX_PORTABLE_DECODE_ROWS
