@@ -60,7 +60,7 @@ constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per 
 using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
                          int64_t first, int64_t last, float* y, int64_t out);
 
-// Activation rows laid out for a type's DotRows (simd::interleave), and whether one row is.
+// Activation rows laid out as a type's DotRows reads them (simd::interleave).
 using Interleave = void (*)(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed);
 
 // A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, SIMD ones.
@@ -72,6 +72,8 @@ struct Kernels {
   bool copies_one_row;      // with dots: one row is laid out too (else read as it is)
 };
 
+#define NO_FAST nullptr, nullptr, nullptr, false  // the portable decoder alone
+
 #ifdef PREFIXCACHE_GGUF_SIMD
 template <class D, size_t... R>
 constexpr std::array<DotRows, kMaxRows> dots_for(std::index_sequence<R...>) {
@@ -82,25 +84,26 @@ constexpr std::array<DotRows, kMaxRows> kDots = dots_for<D>(std::make_index_sequ
 #define FAST(T) \
   simd::run<simd::T>, kDots<simd::T>.data(), simd::interleave<simd::T>, simd::kCopiesOneRow<simd::T>
 #else
-#define FAST(T) nullptr, nullptr, nullptr, false
+#define FAST(T) NO_FAST
 #endif
 
 #define BLOCKS(T, f, V, B) {{V, B, run<f, V, B>}, FAST(T)}
-constexpr Kernels kF32_kernels{{1, 4, run_f32}, nullptr, nullptr, nullptr, false};
-constexpr Kernels kF16_kernels{{1, 2, run_f16}, nullptr, nullptr, nullptr, false};
-constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, nullptr, nullptr, nullptr, false};
+constexpr Kernels kF32_kernels{{1, 4, run_f32}, NO_FAST};
+constexpr Kernels kF16_kernels{{1, 2, run_f16}, NO_FAST};
+constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, NO_FAST};
 constexpr Kernels kQ4_0_kernels BLOCKS(Q4_0, decode_q4_0, 32, 18);
 constexpr Kernels kQ4_1_kernels BLOCKS(Q4_1, decode_q4_1, 32, 20);
 constexpr Kernels kQ5_0_kernels BLOCKS(Q5_0, decode_q5_0, 32, 22);
 constexpr Kernels kQ5_1_kernels BLOCKS(Q5_1, decode_q5_1, 32, 24);
 constexpr Kernels kQ8_0_kernels BLOCKS(Q8_0, decode_q8_0, 32, 34);
-constexpr Kernels kQ2_K_kernels{{256, 84, run<decode_q2_k, 256, 84>}, nullptr, nullptr, nullptr, false};
-constexpr Kernels kQ3_K_kernels{{256, 110, run<decode_q3_k, 256, 110>}, nullptr, nullptr, nullptr, false};
+constexpr Kernels kQ2_K_kernels{{256, 84, run<decode_q2_k, 256, 84>}, NO_FAST};
+constexpr Kernels kQ3_K_kernels{{256, 110, run<decode_q3_k, 256, 110>}, NO_FAST};
 constexpr Kernels kQ4_K_kernels BLOCKS(Q4_K, decode_q4_k, 256, 144);
 constexpr Kernels kQ5_K_kernels BLOCKS(Q5_K, decode_q5_k, 256, 176);
 constexpr Kernels kQ6_K_kernels BLOCKS(Q6_K, decode_q6_k, 256, 210);
 #undef BLOCKS
 #undef FAST
+#undef NO_FAST
 
 const Kernels* kernels_of(int64_t type) {
   switch (type) {

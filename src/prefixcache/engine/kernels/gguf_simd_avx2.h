@@ -24,13 +24,14 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 inline __m256i load16_twice(const uint8_t* p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline __m256i mask(int bits) { return _mm256_set1_epi32(bits); }
+inline __m256i every_lane(int value) { return _mm256_set1_epi32(value); }
 // Nibble codes from bytes loaded twice: the low nibble of byte k of each lane in the low half,
 // the high nibble in the high half.
 template <int K>
 inline __m256i nibbles(__m256i v) {
-  const __m256i shift = _mm256_setr_epi32(8 * K, 8 * K, 8 * K, 8 * K, 8 * K + 4, 8 * K + 4, 8 * K + 4, 8 * K + 4);
-  return _mm256_and_si256(_mm256_srlv_epi32(v, shift), mask(15));
+  constexpr int low = 8 * K, high = 8 * K + 4;
+  const __m256i shift = _mm256_setr_epi32(low, low, low, low, high, high, high, high);
+  return _mm256_and_si256(_mm256_srlv_epi32(v, shift), every_lane(15));
 }
 inline __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
@@ -44,25 +45,25 @@ inline void nibble_codes(__m256i bytes, __m256i* q) {
 
 // 16 where bit 4i+k (+16 in the high half) of `qh` is set: Q5_0/Q5_1's fifth bits.
 inline void fifth_bits(uint32_t qh, __m256i* q) {
-  const __m256i bits = _mm256_setr_epi32(qh << 4, qh << 4, qh << 4, qh << 4, qh >> 12, qh >> 12, qh >> 12, qh >> 12);
+  const int low = static_cast<int>(qh << 4), high = static_cast<int>(qh >> 12);
+  const __m256i bits = _mm256_setr_epi32(low, low, low, low, high, high, high, high);
   const __m256i four = _mm256_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12);
   for (int k = 0; k < 4; ++k) {
     const __m256i shift = _mm256_add_epi32(four, _mm256_set1_epi32(k));
-    q[k] = _mm256_or_si256(q[k], _mm256_and_si256(_mm256_srlv_epi32(bits, shift), mask(16)));
+    q[k] = _mm256_or_si256(q[k], _mm256_and_si256(_mm256_srlv_epi32(bits, shift), every_lane(16)));
   }
 }
 
 // a (q - offset) for four registers of codes: one rounding, and -0 where a < 0 and q = offset,
 // as the reference's product (a fused a q - a offset would give +0 there).
 inline void scaled(const __m256i* q, int offset, __m256 a, Part& v) {
-  for (int k = 0; k < 4; ++k) v[k] = _mm256_mul_ps(a, to_float(_mm256_sub_epi32(q[k], _mm256_set1_epi32(offset))));
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_mul_ps(a, to_float(_mm256_sub_epi32(q[k], every_lane(offset))));
 }
 
 // a q + m for four registers of codes (each a q exact, one rounding for + m).
 inline void affine(const __m256i* q, __m256 a, __m256 m, Part& v) {
   for (int k = 0; k < 4; ++k) v[k] = _mm256_fmadd_ps(a, to_float(q[k]), m);
 }
-
 
 struct Q4_0 {
   static constexpr int64_t kValues = 32, kBytes = 18, kParts = 1;
@@ -86,7 +87,6 @@ struct Q4_1 {
   }
 };
 
-
 struct Q5_1 {
   static constexpr int64_t kValues = 32, kBytes = 24, kParts = 1;
   static constexpr bool kByLane = true;
@@ -102,10 +102,10 @@ struct Q5_1 {
 // Q4_K/Q5_K: sub-block p's codes, nibble p % 2 of the 32 bytes at 32 (p / 2) (value j: byte j).
 inline void k4_codes(const uint8_t* qs, int p, __m256i* q) {
   const __m256i bytes = _mm256_srl_epi32(load32(qs + 32 * (p / 2)), _mm_cvtsi32_si128(4 * (p % 2)));
-  q[0] = _mm256_and_si256(bytes, mask(15));
-  q[1] = _mm256_and_si256(_mm256_srli_epi32(bytes, 8), mask(15));
-  q[2] = _mm256_and_si256(_mm256_srli_epi32(bytes, 16), mask(15));
-  q[3] = _mm256_and_si256(_mm256_srli_epi32(bytes, 24), mask(15));
+  q[0] = _mm256_and_si256(bytes, every_lane(15));
+  q[1] = _mm256_and_si256(_mm256_srli_epi32(bytes, 8), every_lane(15));
+  q[2] = _mm256_and_si256(_mm256_srli_epi32(bytes, 16), every_lane(15));
+  q[3] = _mm256_and_si256(_mm256_srli_epi32(bytes, 24), every_lane(15));
 }
 
 struct Q4_K {
@@ -130,17 +130,13 @@ struct Q5_K {
     const __m256i qh = load32(b + 16);
     const __m256i top = p >= 4 ? _mm256_srl_epi32(qh, _mm_cvtsi32_si128(p - 4))
                                : _mm256_sll_epi32(qh, _mm_cvtsi32_si128(4 - p));
-    q[0] = _mm256_or_si256(q[0], _mm256_and_si256(top, mask(16)));
-    q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_srli_epi32(top, 8), mask(16)));
-    q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_srli_epi32(top, 16), mask(16)));
-    q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi32(top, 24), mask(16)));
+    q[0] = _mm256_or_si256(q[0], _mm256_and_si256(top, every_lane(16)));
+    q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_srli_epi32(top, 8), every_lane(16)));
+    q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_srli_epi32(top, 16), every_lane(16)));
+    q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi32(top, 24), every_lane(16)));
     affine(q, _mm256_set1_ps(s.a[p]), _mm256_set1_ps(-s.m[p]), v);
   }
 };
-
-
-
-
 
 // Natural order (v[j] = values 8j..8j+7), for the decoders whose codes are whole bytes (Q8_0)
 // or need byte shuffles anyway (Q5_0's fifth bits, Q6_K's two planes): `kByLane = false`.
@@ -176,7 +172,8 @@ struct Q8_0 {  // natural order: each 8 codes widened straight from memory (no s
   static void part(const uint8_t* b, const State&, int, Part& v) {
     const __m256 d = _mm256_set1_ps(detail::half_at(b));
     for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_mul_ps(d, to_float(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)))));
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+      v[j] = _mm256_mul_ps(d, to_float(_mm256_cvtepi8_epi32(codes)));
     }
   }
 };

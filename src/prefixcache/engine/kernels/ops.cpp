@@ -126,7 +126,8 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   const float* src = in.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t rows = n == 0 ? 0 : in.numel() / n;  // a prefill's rows split over threads
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t a, int64_t b) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t a, int64_t b) {
     rms_norm(src + a * n, w, b - a, n, static_cast<float>(eps), dst + a * n, n);
   });
   return out;
