@@ -7,6 +7,7 @@ its own so warm caches from another test cannot make it pass. The last test kill
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,8 @@ from router_fixtures import (
 )
 
 KEY = "sk-alpha"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+AUTH = {"Authorization": f"Bearer {KEY}"}  # tenant alpha, an admin
+RESPONSE_ID = re.compile(r'"id":\s*"([^"]+)"')
 
 
 @dataclass
@@ -243,8 +245,8 @@ class Load:
     def __init__(self, url: str) -> None:
         self.client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
         self.pool = ThreadPoolExecutor(16)
-        self.started: dict[int, str] = {}  # stream id -> replica, once its first event arrived
-        self.events: dict[int, int] = {}  # stream id -> events received while it runs
+        self.started: dict[int, tuple[str, str]] = {}  # stream -> (replica, response id)
+        self.running: set[int] = set()  # streams the client is still reading
         self.lock = threading.Lock()
 
     def whole(self, body: dict):
@@ -258,23 +260,28 @@ class Load:
             chunks = []
             for chunk in response.iter_text():
                 chunks.append(chunk)
-                with self.lock:
-                    self.started[number] = response.headers[REPLICA_HEADER]
-                    self.events[number] = self.events.get(number, 0) + chunk.count("data: ")
+                if number not in self.started and (found := RESPONSE_ID.search(chunk)):
+                    with self.lock:
+                        self.started[number] = (response.headers[REPLICA_HEADER], found[1])
+                        self.running.add(number)
             with self.lock:
-                self.events.pop(number, None)  # done
+                self.running.discard(number)
             return (
                 response.status_code,
                 response.headers[REPLICA_HEADER],
                 sse_events("".join(chunks)),
             )
 
-    def running_early(self, replica: str, limit: int) -> bool:
-        """Whether a stream on `replica` is running with fewer than `limit` events so far."""
+    def generating_on(self, replica: str) -> bool:
+        """Whether a stream relayed from `replica` is still being generated there: the replica
+        has no record of it yet (a record is written when a request ends). Asked of the replica
+        itself, since under load the client's reading can lag its stream by hundreds of
+        tokens."""
         with self.lock:
-            return any(
-                self.started[n] == replica and count < limit for n, count in self.events.items()
-            )
+            ids = [self.started[n][1] for n in self.running if self.started[n][0] == replica]
+        return any(
+            httpx.get(f"{replica}/admin/requests/{i}", headers=AUTH).status_code == 404 for i in ids
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -305,9 +312,9 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
             docs = ["elk", "gnu1", "gnu2", "gnu3"]
             streams = [load.stream(chat(d, f"Go on, {i}.", **long), i) for i, d in enumerate(docs)]
             wait_until(lambda: state.fleet.replicas[victim.url].in_flight >= 3, what="victim load")
-            # A stream on the victim with most of its 300 tokens still to come, checked last:
-            # under a loaded machine's scheduling a stream could finish during the wait above.
-            wait_until(lambda: load.running_early(victim.url, 150), what="a stream on the victim")
+            # A stream relayed from the victim that the victim is still generating, checked
+            # last: under a loaded machine's scheduling a stream could end during the wait above.
+            wait_until(lambda: load.generating_on(victim.url), what="a stream on the victim")
             victim.kill()
             after = [load.whole(chat(f"hen{i}", "Now?")) for i in range(4)]
             results = [f.result() for f in wholes + after]
