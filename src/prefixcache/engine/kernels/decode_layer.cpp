@@ -35,17 +35,6 @@ at::Tensor project(const at::Tensor& x, const Projection& p, const LayerShape& s
   return y.to(at::kFloat);
 }
 
-// x * cos + rotate_half(x) * sin per head; `sin` is already signed ([-sin, sin]).
-void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
-  std::vector<float> head(dim);
-  int64_t half = dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    float* v = x + h * dim;
-    std::memcpy(head.data(), v, dim * sizeof(float));
-    for (int64_t i = 0; i < dim; ++i) v[i] = head[i] * cos[i] + head[(i + half) % dim] * sin[i];
-  }
-}
-
 // Rotate each new token's q and k, then store its k and v in the paged cache and the copy.
 void store_kv(float* qkv, int64_t tokens, const LayerShape& s, const float* cos,
               const float* sin, const KVTarget& kv) {
@@ -193,6 +182,16 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, floa
     for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
     float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
+  }
+}
+
+void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
+  std::vector<float> head(dim);
+  int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * dim;
+    std::memcpy(head.data(), v, dim * sizeof(float));
+    for (int64_t i = 0; i < dim; ++i) v[i] = head[i] * cos[i] + head[(i + half) % dim] * sin[i];
   }
 }
 

@@ -48,6 +48,10 @@ struct KVTarget {
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps,
               float* out, int64_t stride);
 
+// Each of `heads` heads of x [heads, dim] rotated in place: x * cos + rotate_half(x) * sin,
+// with `sin` already signed ([-sin, sin]) as models.llama.Rotary makes it.
+void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin);
+
 // h [T, hidden] += attention(norm(h)), then += mlp(norm(h)): model.DecoderLayer's numbers
 // for T tokens of one sequence (causal: token i sees the context and the new tokens <= i).
 void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,

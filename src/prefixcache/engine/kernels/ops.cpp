@@ -1,11 +1,13 @@
 // torch.ops.prefixcache: the native kernels' checked entry points (decode_layers,
-// head_logits, round_bf16_, rms_norm, gather_kv, write_kv_, and gguf_matmul.cpp's gguf_simd,
+// head_logits, round_bf16_, rms_norm, rope_heads, gather_kv, write_kv_, and gguf_matmul.cpp's gguf_simd,
 // gguf_dequantize and gguf_matmul): every op of the library is registered here.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "decode_layer.h"
@@ -133,6 +135,43 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   return out;
 }
 
+// The query and key heads of qk [T, heads + kv_heads, dim] (rows may be strided, as a slice
+// of the qkv projection), each RMS-normalised by its weight when given (QK-norm), then rotated
+// by its token's cos/sin [T, dim]: a new contiguous tensor, one call for ~10 torch ops.
+at::Tensor rope_heads_op(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t heads, const std::optional<at::Tensor>& q_norm,
+                         const std::optional<at::Tensor>& k_norm, double eps) {
+  TORCH_CHECK(qk.dim() == 3 && qk.dtype() == at::kFloat && qk.stride(2) == 1 &&
+                  qk.stride(1) == qk.size(2),
+              "qk must be fp32 [tokens, heads, dim] with contiguous heads");
+  const int64_t tokens = qk.size(0), all = qk.size(1), dim = qk.size(2);
+  TORCH_CHECK(heads >= 0 && heads <= all && dim % 2 == 0, "heads ", heads, " outside 0..", all,
+              " or odd head dim ", dim);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  const float* c = floats(cos, tokens * dim, "cos");
+  const float* sn = floats(sin, tokens * dim, "sin");
+  const float* qn = q_norm ? floats(*q_norm, dim, "q_norm") : nullptr;
+  const float* kn = k_norm ? floats(*k_norm, dim, "k_norm") : nullptr;
+  at::Tensor out = at::empty({tokens, all, dim}, qk.options());
+  const float* src = qk.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(all * dim, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const float* row = src + t * qk.stride(0);
+      float* o = dst + t * all * dim;
+      if (qn != nullptr) {
+        rms_norm(row, qn, heads, dim, static_cast<float>(eps), o, dim);
+        rms_norm(row + heads * dim, kn, all - heads, dim, static_cast<float>(eps), o + heads * dim, dim);
+      } else {
+        std::copy(row, row + all * dim, o);
+      }
+      rope(o, all, dim, c + t * dim, sn + t * dim);
+    }
+  });
+  return out;
+}
+
 at::Tensor& round_bf16_op(at::Tensor& x) {
   round_bf16_(x);
   return x;
@@ -143,6 +182,9 @@ at::Tensor& round_bf16_op(at::Tensor& x) {
 TORCH_LIBRARY(prefixcache, m) {
   m.def("round_bf16_(Tensor(a!) x) -> Tensor(a!)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rope_heads(Tensor qk, Tensor cos, Tensor sin, int heads, Tensor? q_norm, Tensor? k_norm, "
+      "float eps) -> Tensor");
   m.def("gguf_simd() -> str", &gguf::simd_name);
   m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
   m.def(
@@ -165,6 +207,7 @@ TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
   m.impl("head_logits", head_logits_op);
   m.impl("round_bf16_", round_bf16_op);
   m.impl("rms_norm", rms_norm_op);
+  m.impl("rope_heads", rope_heads_op);
   m.impl("gguf_dequantize", gguf::dequantize);
   m.impl("gguf_matmul", gguf::matmul);
   m.impl("gather_kv", gather_kv);

@@ -26,12 +26,12 @@ from prefixcache.engine.models.llama import (
     Linear,
     Rotary,
     _param,
-    apply_rope,
     check_weights,
     copy_weights,
     projection_targets,
     quantize_projections,
     rms_norm,
+    rotate_heads,
 )
 from prefixcache.engine.weight_types import PackedWeight
 from prefixcache.engine.weight_types.linear import PackedLinear
@@ -99,8 +99,8 @@ class Gemma3Layer(nn.Module):
         num_tokens, qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv(x)
         qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, -1)
-        q = apply_rope(rms_norm(qk[:, : self.num_heads], self.q_norm, self.eps), *rope)
-        k = apply_rope(rms_norm(qk[:, self.num_heads :], self.k_norm, self.eps), *rope)
+        qk = rotate_heads(qk, self.num_heads, rope, (self.q_norm, self.k_norm), self.eps)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
         seen = metadata.for_group(kv_store.groups[layer], self.window)
         k, v = kv_store.write(layer, k, v, seen.slot_mapping)
