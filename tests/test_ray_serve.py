@@ -274,8 +274,13 @@ def test_the_new_replicas_first_request_for_a_known_document_is_a_tier_hit(deplo
 
 def test_while_no_replica_is_up_the_ingress_answers_503_with_a_reason(deployed):
     members = deployed.members()
+    servers = [psutil.Process(member["server_pid"]) for member in members]
     for member in members:
         os.kill(member["pid"], signal.SIGKILL)
+    # The kernel kills a replica's server (its parent-death signal) only once the actor's exit
+    # is done, which takes a large process a moment: until then the server still answers.
+    _, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive
     response = httpx.post(
         f"{deployed.url}/v1/completions",
         json={"model": MODEL, "prompt": DOCUMENT, "max_tokens": 1},
