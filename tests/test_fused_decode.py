@@ -127,15 +127,16 @@ def test_a_decode_that_turns_lone_after_a_batch_rebuilds_its_copy_the_same_way()
     _assert_same(fused, eager)
 
 
-def _call_op(engine, keys: torch.Tensor, length: int, norms=None, types=None) -> None:
+def _call_op(engine, keys: torch.Tensor, length: int, norms=None, types=None, windows=(0,)):
     layer = engine.model.layers[0]
-    layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    layer_norms = layer.fused_norms()
     w = FusedWeights((layer.qkv, layer.o, layer.gate_up, layer.down), layer_norms)
+    rope = [torch.zeros(1, 64)] * 4
     torch.ops.prefixcache.decode_layers(
         torch.zeros(1, 576), layer_norms if norms is None else norms, w.packed, w.pairs,
-        w.types if types is None else types, torch.zeros(1, 64), torch.zeros(1, 64), [keys],
-        [keys.clone()], [engine.kv_store.layers[0]], length, torch.tensor([[0, 16]]),
-        layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale, max_decode_rows(),
+        w.types if types is None else types, w.counts, *rope, list(windows), [keys],
+        [keys.clone()], [engine.kv_store.layers[0]], length, [torch.tensor([[0, 16]])],
+        layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale, False, max_decode_rows(),
     )  # fmt: skip
 
 
@@ -146,8 +147,12 @@ def test_the_op_names_what_it_refuses() -> None:
         _call_op(engine, torch.zeros(3, 8, 64), 9)
     with pytest.raises(RuntimeError, match=r"keys, values must be \[3, capacity, 64\]"):
         _call_op(engine, torch.zeros(2, 8, 64), 1)
-    with pytest.raises(RuntimeError, match="per layer: 2 norms, 4 projections"):
+    with pytest.raises(RuntimeError, match="2, 4 or 6 norms a layer"):
         _call_op(engine, torch.zeros(3, 8, 64), 1, norms=[])
+    with pytest.raises(RuntimeError, match="per layer: its norms, 4 projections"):
+        _call_op(engine, torch.zeros(3, 8, 64), 1, windows=())
+    with pytest.raises(RuntimeError, match="layer 0: window -1 < 0"):
+        _call_op(engine, torch.zeros(3, 8, 64), 1, windows=(-1,))
     if kernels.simd_decoders():  # the layers run on their GGUF blocks: each type is checked
         with pytest.raises(RuntimeError, match="unsupported GGML type 99"):
             _call_op(engine, torch.zeros(3, 8, 64), 1, types=[99, 99, 99, 99])

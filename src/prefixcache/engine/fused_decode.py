@@ -21,11 +21,14 @@ from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.quant import MAX_INT4_ROWS, Int4Linear
-from prefixcache.engine.weight_types.linear import PackedLinear
+from prefixcache.engine.weight_types.linear import ConcatLinear, PackedLinear
 from prefixcache.engine.weight_types.packed_weight import max_decode_rows
 
 if TYPE_CHECKING:
+    from prefixcache.engine.models.gemma3 import Gemma3Model
     from prefixcache.engine.models.llama import LlamaModel
+
+    FusedModel = LlamaModel | Gemma3Model
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The eager path runs up to this many rows on the int4 kernel (more on the dense matmul): the
@@ -35,34 +38,36 @@ FUSED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # pools the kerne
 
 
 def fused_supported(config: ModelConfig) -> bool:
-    """Whether the fused kernel knows this model's layers (a plain Llama: no bias, no
-    QK-norm, no sliding window)."""
+    """Whether the fused kernel knows this model's layers: Llama's (with Qwen 3's QK-norms)
+    and Gemma 3's (QK-norms, sandwich norms, GeGLU, windows with their own RoPE); not a
+    projection bias (Qwen 2) nor a window on a Llama-family layer."""
+    if config.architecture == "gemma3":
+        return not config.attention_bias
     return (
-        config.architecture == "llama"
+        config.architecture in ("llama", "qwen3")
         and not config.attention_bias
-        and not config.qk_norm
         and not config.sliding_window
     )
 
 
-def projections(model: LlamaModel) -> tuple[object, ...]:
+def projections(model: FusedModel) -> tuple[object, ...]:
     """Every layer's projections (qkv, o, gate_up, down), layer by layer."""
     return tuple(getattr(layer, p) for layer in model.layers for p in _PROJECTIONS)
 
 
-def fused_applies(model: LlamaModel, kv_store: KVStore) -> bool:
+def fused_applies(model: FusedModel, kv_store: KVStore) -> bool:
     """Whether this model and store can decode on the fused layers."""
     return (
         fused_supported(model.config)
         and model.dtype == torch.float32
         and kv_store.dtype in FUSED_KV_DTYPES
-        and all(isinstance(p, Int4Linear | PackedLinear) for p in projections(model))
+        and all(isinstance(p, Projection) for p in projections(model))
         and kernels.available()
     )
 
 
 def fused_decode(
-    model: LlamaModel,
+    model: FusedModel,
     h: torch.Tensor,
     positions: torch.Tensor,
     metadata: AttentionMetadata,
@@ -70,35 +75,51 @@ def fused_decode(
 ) -> torch.Tensor:
     """Run every layer on the new tokens' residual stream `h` `[T, hidden]`, in place."""
     lone, first = model.lone, model.layers[0]
-    cos, sin = (t.reshape(len(positions), -1) for t in model.rotary(positions, torch.float32))
-    rows = kv_store.rows_of(metadata.slot_mapping)
-    lone.refill(kv_store.layers)
+    tables = [t.reshape(len(positions), -1) for t in model.rope_tables(positions)]
+    layers = zip(kv_store.groups, model.layers, strict=True)
+    views = [metadata.for_group(group, layer.window) for group, layer in layers]
+    lone.refill(kv_store.layers, views)
+    rows = [kv_store.rows_of(view.slot_mapping) for view in views]
     w = _weights(model)
     torch.ops.prefixcache.decode_layers(
-        h, w.norms, w.packed, w.pairs, w.types, cos, sin, lone.keys, lone.values,
-        kv_store.layers, lone.length, rows, first.num_heads, first.num_kv_heads, first.eps,
-        first.scale, max_decode_rows(),
+        h, w.norms, w.packed, w.pairs, w.types, w.counts, *tables, w.windows, lone.keys,
+        lone.values, kv_store.layers, lone.length, rows, first.num_heads, first.num_kv_heads,
+        first.eps, first.scale, w.gelu, max_decode_rows(),
     )  # fmt: skip
     return h
 
 
-Projection = Int4Linear | PackedLinear
+Projection = Int4Linear | PackedLinear | ConcatLinear
 _NO_PAIRS = torch.empty(0, dtype=torch.bfloat16)  # a GGUF projection's unused scale pairs
 
 
 class FusedWeights:
-    """Per layer, its 2 norms and its 4 projections (int4: packed codes and scale/zero pairs,
-    type -1; GGUF: its blocks and type), as the flat lists the op takes; with what they were
-    built from, to notice a change."""
+    """Per layer, its norms (`fused_norms`) and its 4 projections, each of one or more parts
+    (int4: packed codes and scale/zero pairs, type -1; GGUF: its blocks and type), and its
+    window, as the flat lists the op takes; with what they were built from, to notice a
+    change."""
 
-    __slots__ = ("linears", "norm_pointers", "norms", "packed", "pairs", "types")
+    __slots__ = (
+        "counts", "gelu", "linears", "norm_pointers", "norms", "packed", "pairs", "types",
+        "windows",
+    )  # fmt: skip
 
-    def __init__(self, linears: tuple[Projection, ...], norms: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        linears: tuple[Projection, ...],
+        norms: list[torch.Tensor],
+        windows: list[int] | None = None,
+        gelu: bool = False,
+    ) -> None:
         self.linears = linears
         self.norm_pointers = [n.data_ptr() for n in norms]
         self.norms = norms
-        parts = [_op_parts(linear) for linear in linears]
-        self.packed, self.pairs, self.types = (list(column) for column in zip(*parts, strict=True))
+        self.windows = windows if windows is not None else [0] * (len(linears) // 4)
+        self.gelu = gelu
+        parts = [_parts(linear) for linear in linears]
+        self.counts = [len(p) for p in parts]
+        flat = [part for p in parts for part in p]
+        self.packed, self.pairs, self.types = (list(column) for column in zip(*flat, strict=True))
 
     def built_from(self, linears: tuple[Projection, ...], norms: list[torch.Tensor]) -> bool:
         return (
@@ -108,21 +129,20 @@ class FusedWeights:
         )
 
 
-def _op_parts(linear: Projection) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """What the op takes of one projection: its codes, its scale pairs and its GGML type."""
+def _parts(linear: Projection) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """What the op takes of one projection, part by part: codes, scale pairs, GGML type."""
+    if isinstance(linear, ConcatLinear):
+        return [part for p in linear.parts for part in _parts(p)]
     if isinstance(linear, PackedLinear):
-        return linear.weight.blocks, _NO_PAIRS, linear.weight.wtype.code
-    return linear.packed, linear.scales_and_zeros, -1
+        return [(linear.weight.blocks, _NO_PAIRS, linear.weight.wtype.code)]
+    return [(linear.packed, linear.scales_and_zeros, -1)]
 
 
-def _weights(model: LlamaModel) -> FusedWeights:
+def _weights(model: FusedModel) -> FusedWeights:
     """The model's `FusedWeights`, built once, and again if a layer's weights were replaced."""
     linears = projections(model)
-    norms = [
-        n.data
-        for layer in model.layers
-        for n in (layer.input_layernorm, layer.post_attention_layernorm)
-    ]
+    norms = [n.data for layer in model.layers for n in layer.fused_norms()]
     if model.fused_weights is None or not model.fused_weights.built_from(linears, norms):
-        model.fused_weights = FusedWeights(linears, norms)
+        windows = [layer.window for layer in model.layers]
+        model.fused_weights = FusedWeights(linears, norms, windows, model.gated_by_gelu)
     return model.fused_weights

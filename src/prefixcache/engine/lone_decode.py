@@ -84,16 +84,35 @@ class LoneDecode:
             values[:, n - 1].copy_(v[0])
         return keys[None, :, :n], values[None, :, :n]
 
-    def refill(self, caches: list[torch.Tensor]) -> None:
+    def refill(self, caches: list[torch.Tensor], views: list[AttentionMetadata]) -> None:
         """For a fused forward, which writes its new tokens itself: after a rebuild, every
-        layer's tokens before them, from the pool (`caches`, one per layer)."""
+        layer's tokens before them that it reads, from the pool (`caches`, one per layer),
+        through the layer's view of the batch (`AttentionMetadata.for_group`). A window
+        layer's view starts at its window's first block, so its copy is filled from there,
+        at the same positions: the tokens before it are never read."""
         n = self.length - self.new_tokens
-        if self.rebuild and n > 0:
-            for layer, cache in enumerate(caches):
-                self._copy_from_pool(layer, cache, n)
+        if not self.rebuild or n <= 0:
+            return
+        tables: dict[tuple[int, ...], torch.Tensor] = {}
+        for layer, (cache, view) in enumerate(zip(caches, views, strict=True)):
+            if view.lone_table is None:
+                raise ValueError("a fused forward's views must be of one sequence")
+            skipped = self.length - view.context_lens[0]  # before the view's first block
+            if view.lone_table not in tables:
+                tables[view.lone_table] = torch.tensor(view.lone_table, dtype=torch.long)
+            self._copy_from_pool(layer, cache, n, tables[view.lone_table], skipped)
 
-    def _copy_from_pool(self, layer: int, cache: torch.Tensor, n: int) -> None:
-        """The sequence's first `n` tokens of `layer`, gathered from its pool blocks."""
-        k_all, v_all = gather_context(cache, self._block_ids, n)
-        self.keys[layer][:, :n].copy_(k_all.transpose(0, 1))
-        self.values[layer][:, :n].copy_(v_all.transpose(0, 1))
+    def _copy_from_pool(
+        self,
+        layer: int,
+        cache: torch.Tensor,
+        n: int,
+        block_ids: torch.Tensor | None = None,
+        skipped: int = 0,
+    ) -> None:
+        """The sequence's tokens `[skipped, n)` of `layer`, gathered from its pool blocks
+        (`block_ids`: those from position `skipped` on; the sequence's own by default)."""
+        ids = self._block_ids if block_ids is None else block_ids
+        k_all, v_all = gather_context(cache, ids, n - skipped)
+        self.keys[layer][:, skipped:n].copy_(k_all.transpose(0, 1))
+        self.values[layer][:, skipped:n].copy_(v_all.transpose(0, 1))

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as Backend
 
 from prefixcache.engine.config import ModelConfig
-from prefixcache.engine.fused_decode import fused_supported, projections
+from prefixcache.engine.fused_decode import projections
 from prefixcache.engine.model_files import model_source
 from prefixcache.engine.models import build_model
 from prefixcache.engine.models.llama import LlamaModel
@@ -85,9 +85,15 @@ def cacheable(loaded: LoadedModel) -> bool:
     model = loaded.model
     return (
         isinstance(model, LlamaModel)
-        and fused_supported(loaded.config)
+        and _plain_llama(loaded.config)
         and all(isinstance(p, Int4Linear | PackedLinear) for p in projections(model))
     )
+
+
+def _plain_llama(config: ModelConfig) -> bool:
+    """A Llama without bias, QK-norms or a window: the layers `packed.py` stores."""
+    c = config
+    return c.architecture == "llama" and not (c.attention_bias or c.qk_norm or c.sliding_window)
 
 
 def build(source: Path) -> LoadedModel:

@@ -1,4 +1,5 @@
-// model.DecoderLayer for the new tokens of one sequence, in one call: the projections on
+// A decoder layer (Llama's, Qwen 3's QK-norms, Gemma 3's sandwich norms, GeGLU and windows)
+// for the new tokens of one sequence, in one call: the projections on
 // torch's int4 kernel or on the GGUF blocks (the same numbers as the eager path), norms,
 // RoPE, the K/V stores and attention in C++ loops, instead of ~25 torch ops, each with its
 // Python and dispatch cost.
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 
@@ -28,11 +30,31 @@ constexpr int64_t kSdpaWork = 512;  // new tokens x context from which SDPA beat
 
 // As the eager layer computes rows: bf16(bf16(x) . W'^T) in fp32 (quant.Int4Linear), or
 // x . W^T in fp32 on the GGUF blocks (PackedLinear, the same kernel and row limit).
-at::Tensor project(const at::Tensor& x, const Projection& p, const LayerShape& s) {
+at::Tensor project_part(const at::Tensor& x, const Projection& p, const LayerShape& s) {
   if (p.ggml_type >= 0) return gguf::matmul(x.contiguous(), p.packed, p.ggml_type, p.in, s.max_decode_rows);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), p.packed, kGroupSize,
                                                  p.scales_and_zeros);
   return y.to(at::kFloat);
+}
+
+// A fused projection: its parts' outputs side by side (weight_types.ConcatLinear).
+at::Tensor project(const at::Tensor& x, const Projections& parts, const LayerShape& s) {
+  if (parts.size() == 1) return project_part(x, parts[0], s);
+  std::vector<at::Tensor> outputs;
+  for (const Projection& part : parts) outputs.push_back(project_part(x, part, s));
+  return at::cat(outputs, 1);
+}
+
+// Each new token's query and key heads RMS-normalised in place by the QK-norms, if any.
+void qk_norm(float* qkv, int64_t tokens, const LayerWeights& w, const LayerShape& s) {
+  if (w.q_norm == nullptr) return;
+  const int64_t row = (s.heads + 2 * s.kv_heads) * s.head_dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* q = qkv + t * row;
+    float* k = q + s.heads * s.head_dim;
+    rms_norm(q, w.q_norm, s.heads, s.head_dim, s.eps, q, s.head_dim);
+    rms_norm(k, w.k_norm, s.kv_heads, s.head_dim, s.eps, k, s.head_dim);
+  }
 }
 
 // Rotate each new token's q and k, then store its k and v in the paged cache and the copy.
@@ -124,17 +146,21 @@ void attend_group(const float* q, const float* keys, const float* values, int64_
 // kernels beat the loops below despite ~90 us of op overhead a layer: queries grouped per
 // KV head, rows (token, head in group), a causal mask by token.
 at::Tensor attend_sdpa(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv,
-                       const LayerShape& s) {
+                       const LayerShape& s, int64_t window) {
   int64_t group = s.heads / s.kv_heads, width = s.heads * s.head_dim;
   at::Tensor q = qkv.narrow(1, 0, width).reshape({tokens, s.kv_heads, group, s.head_dim});
   q = q.permute({1, 0, 2, 3}).reshape({1, s.kv_heads, tokens * group, s.head_dim});
-  at::Tensor keys = kv.keys.narrow(1, 0, kv.length).unsqueeze(0);
-  at::Tensor values = kv.values.narrow(1, 0, kv.length).unsqueeze(0);
+  // From the first position any new token's window starts at (the copy holds no more).
+  int64_t first = window > 0 ? std::max<int64_t>(0, kv.length - tokens - window + 1) : 0;
+  at::Tensor keys = kv.keys.narrow(1, first, kv.length - first).unsqueeze(0);
+  at::Tensor values = kv.values.narrow(1, first, kv.length - first).unsqueeze(0);
   std::optional<at::Tensor> mask;
-  if (tokens > 1) {  // row (t, g) sees keys up to position length - tokens + t
-    at::Tensor visible = at::arange(kv.length - tokens + 1, kv.length + 1, qkv.options().dtype(at::kLong));
-    visible = visible.repeat_interleave(group).unsqueeze(1);
-    mask = at::arange(kv.length, visible.options()).unsqueeze(0).lt(visible);
+  if (tokens > 1) {  // row (t, g) sees positions up to length - tokens + t (within its window)
+    at::Tensor end = at::arange(kv.length - tokens + 1, kv.length + 1, qkv.options().dtype(at::kLong));
+    end = end.repeat_interleave(group).unsqueeze(1);
+    at::Tensor position = at::arange(first, kv.length, end.options()).unsqueeze(0);
+    mask = position.lt(end);
+    if (window > 0) mask = mask->logical_and(position.ge(end.sub(window)));
   }
   at::Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, s.scale);
   return out.reshape({s.kv_heads, tokens, group, s.head_dim}).permute({1, 0, 2, 3}).reshape({tokens, width});
@@ -143,8 +169,9 @@ at::Tensor attend_sdpa(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv
 // Each new token's softmax attention over the keys it may see, per query head:
 // out [T, heads * dim]. Work is split by (token, KV head) when there is enough of it.
 at::Tensor attend(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv,
-                  const LayerShape& s) {
-  if (tokens * kv.length >= kSdpaWork) return attend_sdpa(qkv, tokens, kv, s);
+                  const LayerShape& s, int64_t window) {
+  const int64_t seen = window > 0 ? std::min(window, kv.length) : kv.length;
+  if (tokens * seen >= kSdpaWork) return attend_sdpa(qkv, tokens, kv, s, window);
   int64_t group = s.heads / s.kv_heads, stride = kv.keys.size(1) * s.head_dim;
   int64_t row = qkv.size(1), width = s.heads * s.head_dim;
   const float* q = qkv.data_ptr<float>();
@@ -159,16 +186,26 @@ at::Tensor attend(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv,
     for (int64_t item = first; item < last; ++item) {
       int64_t t = item / s.kv_heads, h = item % s.kv_heads;
       int64_t visible = kv.length - tokens + t + 1;
-      attend_group(q + t * row + h * group * s.head_dim, keys + h * stride, values + h * stride,
-                   visible, group, s, scores.data(), o + t * width + h * group * s.head_dim);
+      int64_t start = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
+      attend_group(q + t * row + h * group * s.head_dim, keys + h * stride + start * s.head_dim,
+                   values + h * stride + start * s.head_dim, visible - start, group, s,
+                   scores.data(), o + t * width + h * group * s.head_dim);
     }
   });
   return out;
 }
 
-void add(float* h, const at::Tensor& delta) {
-  const float* d = delta.data_ptr<float>();
+// h += delta, normed first by `norm` where the family norms a block's output (Gemma 3).
+void add(float* h, at::Tensor delta, const float* norm, const LayerShape& s) {
+  float* d = delta.data_ptr<float>();
+  if (norm != nullptr) rms_norm(d, norm, delta.size(0), s.hidden, s.eps, d, s.hidden);
   for (int64_t i = 0; i < delta.numel(); ++i) h[i] += d[i];
+}
+
+// gelu(x) with tanh's approximation, as torch's F.gelu(approximate="tanh").
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+  return 0.5f * x * (1.0f + std::tanh(kBeta * (x + kKappa * x * x * x)));
 }
 
 }  // namespace
@@ -195,16 +232,16 @@ void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* s
   }
 }
 
-void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,
-                  const float* sin, const KVTarget& kv) {
+void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const KVTarget& kv) {
   int64_t tokens = h.size(0), width = std::max(s.hidden, s.intermediate);
   float* hp = h.data_ptr<float>();
   at::Tensor x = at::empty({tokens, width}, h.options());
   at::Tensor normed = x.narrow(1, 0, s.hidden);
   rms_norm(hp, w.input_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
   at::Tensor qkv = project(normed, w.qkv, s);
-  store_kv(qkv.data_ptr<float>(), tokens, s, cos, sin, kv);
-  add(hp, project(attend(qkv, tokens, kv, s), w.o, s));
+  qk_norm(qkv.data_ptr<float>(), tokens, w, s);
+  store_kv(qkv.data_ptr<float>(), tokens, s, w.cos, w.sin, kv);
+  add(hp, project(attend(qkv, tokens, kv, s, w.window), w.o, s), w.attention_out_norm, s);
   rms_norm(hp, w.post_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
   at::Tensor gate_up = project(normed, w.gate_up, s);
   float* act = x.data_ptr<float>();
@@ -212,10 +249,11 @@ void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, con
     const float* gu = gate_up.data_ptr<float>() + t * 2 * s.intermediate;
     for (int64_t i = 0; i < s.intermediate; ++i) {
       float gate = gu[i];
-      act[t * width + i] = gate / (1.0f + std::exp(-gate)) * gu[s.intermediate + i];
+      float gated = s.gelu ? gelu_tanh(gate) : gate / (1.0f + std::exp(-gate));
+      act[t * width + i] = gated * gu[s.intermediate + i];
     }
   }
-  add(hp, project(x.narrow(1, 0, s.intermediate), w.down, s));
+  add(hp, project(x.narrow(1, 0, s.intermediate), w.down, s), w.mlp_out_norm, s);
 }
 
 }  // namespace prefixcache

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kv_rows.h"
 
@@ -18,16 +19,30 @@ struct Projection {
   int64_t in;                   // K
 };
 
+// One fused projection (q|k|v, gate|up): its parts' outputs side by side (one part, or one
+// per run of a GGUF type: weight_types.ConcatLinear).
+using Projections = std::vector<Projection>;
+
+// A layer's weights and what sets it apart from the others. The norms after attention and
+// after the MLP (Gemma 3's sandwich) and the QK-norms are null where the family has none.
 struct LayerWeights {
   const float* input_norm;
-  const float* post_norm;
-  Projection qkv, o, gate_up, down;
+  const float* post_norm;  // before the MLP
+  const float* q_norm;
+  const float* k_norm;
+  const float* attention_out_norm;
+  const float* mlp_out_norm;
+  Projections qkv, o, gate_up, down;
+  const float* cos;  // this layer's RoPE tables, [T, head_dim]
+  const float* sin;
+  int64_t window;  // 0: full attention; else a token sees its last `window` positions
 };
 
 struct LayerShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
   int64_t max_decode_rows;  // GGUF projections: packed_weight.max_decode_rows(), as eager
+  bool gelu;                // the MLP's gate: GeLU (tanh) as Gemma's; else SiLU
 };
 
 // Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`
@@ -52,9 +67,9 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, floa
 // with `sin` already signed ([-sin, sin]) as models.llama.Rotary makes it.
 void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin);
 
-// h [T, hidden] += attention(norm(h)), then += mlp(norm(h)): model.DecoderLayer's numbers
-// for T tokens of one sequence (causal: token i sees the context and the new tokens <= i).
-void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const float* cos,
-                  const float* sin, const KVTarget& kv);
+// h [T, hidden] += attention(norm(h)), then += mlp(norm(h)): the eager layer's numbers
+// (models.llama.DecoderLayer, models.gemma3.Gemma3Layer) for T tokens of one sequence
+// (causal: token i sees the context and the new tokens <= i, within its window if any).
+void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, const KVTarget& kv);
 
 }  // namespace prefixcache

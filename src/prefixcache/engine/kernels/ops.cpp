@@ -39,20 +39,50 @@ Projection projection(const at::Tensor& packed, const at::Tensor& pairs, int64_t
   return {packed, pairs, -1, cols};
 }
 
-// One layer's weights from the flat lists: 2 norms, then 4 projections, per layer.
-LayerWeights layer_weights(at::TensorList norms, at::TensorList packed, at::TensorList pairs,
-                           at::IntArrayRef types, int64_t layer, const LayerShape& s) {
-  const at::Tensor* p = packed.data() + 4 * layer;
-  const at::Tensor* z = pairs.data() + 4 * layer;
-  const int64_t* t = types.data() + 4 * layer;
-  TORCH_CHECK(p[0].size(0) == (s.heads + 2 * s.kv_heads) * s.head_dim &&
-                  p[1].size(0) == s.hidden && p[2].size(0) == 2 * s.intermediate &&
-                  p[3].size(0) == s.hidden,
+// Rows a fused projection's parts give together.
+int64_t rows_of(const Projections& parts) {
+  int64_t rows = 0;
+  for (const Projection& part : parts) rows += part.packed.size(0);
+  return rows;
+}
+
+// The flat lists of every layer's parts, read in order.
+struct FlatParts {
+  at::TensorList packed, pairs;
+  at::IntArrayRef types, counts;  // counts: parts of each projection, 4 per layer
+  size_t next_part = 0, next_count = 0;
+
+  Projections take(int64_t cols) {
+    TORCH_CHECK(next_count < counts.size() && counts[next_count] >= 1, "every projection needs a part");
+    Projections parts;
+    for (int64_t i = 0, n = counts[next_count++]; i < n; ++i, ++next_part) {
+      TORCH_CHECK(next_part < packed.size(), "fewer parts than the counts say");
+      parts.push_back(projection(packed[next_part], pairs[next_part], types[next_part], cols));
+    }
+    return parts;
+  }
+};
+
+// One layer's norms (`per_layer` of them: input and pre-MLP; then the QK-norms; then the
+// norms of the attention's and the MLP's outputs), projections, RoPE tables and window.
+LayerWeights layer_weights(at::TensorList norms, int64_t per_layer, FlatParts& parts,
+                           int64_t layer, const LayerShape& s, const float* const* rope,
+                           int64_t window) {
+  const at::Tensor* n = norms.data() + per_layer * layer;
+  auto norm = [&](int64_t i, int64_t size, const char* name) {
+    return i < per_layer ? floats(n[i], size, name) : nullptr;
+  };
+  LayerWeights w{norm(0, s.hidden, "input_norm"), norm(1, s.hidden, "post_norm"),
+                 norm(2, s.head_dim, "q_norm"), norm(3, s.head_dim, "k_norm"),
+                 norm(4, s.hidden, "attention_out_norm"), norm(5, s.hidden, "mlp_out_norm"),
+                 parts.take(s.hidden), parts.take(s.heads * s.head_dim), parts.take(s.hidden),
+                 parts.take(s.intermediate), rope[window > 0 ? 2 : 0], rope[window > 0 ? 3 : 1],
+                 window};
+  TORCH_CHECK(rows_of(w.qkv) == (s.heads + 2 * s.kv_heads) * s.head_dim &&
+                  rows_of(w.o) == s.hidden && rows_of(w.gate_up) == 2 * s.intermediate &&
+                  rows_of(w.down) == s.hidden,
               "layer ", layer, ": projection shapes do not match the heads and the hidden size");
-  return {floats(norms[2 * layer], s.hidden, "input_norm"),
-          floats(norms[2 * layer + 1], s.hidden, "post_norm"),
-          projection(p[0], z[0], t[0], s.hidden), projection(p[1], z[1], t[1], s.heads * s.head_dim),
-          projection(p[2], z[2], t[2], s.hidden), projection(p[3], z[3], t[3], s.intermediate)};
+  return w;
 }
 
 // The new tokens' K/V targets in one layer: its contiguous copy and the rows of its pool.
@@ -72,32 +102,46 @@ KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::T
 }
 
 void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
-                      at::TensorList pairs, at::IntArrayRef types, const at::Tensor& cos,
-                      const at::Tensor& sin, at::TensorList keys, at::TensorList values,
-                      at::TensorList caches, int64_t length, const at::Tensor& rows, int64_t heads,
-                      int64_t kv_heads, double eps, double scale, int64_t max_decode_rows) {
-  int64_t layers = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(layers > 0 && norms.size() == 2 * caches.size() &&
-                  packed.size() == 4 * caches.size() && pairs.size() == packed.size() &&
-                  types.size() == packed.size() && keys.size() == caches.size() &&
-                  values.size() == caches.size(),
-              "per layer: 2 norms, 4 projections (qkv, o, gate_up, down) with their types, keys, "
-              "values, cache");
+                      at::TensorList pairs, at::IntArrayRef types, at::IntArrayRef counts,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos,
+                      const at::Tensor& local_sin, at::IntArrayRef windows, at::TensorList keys,
+                      at::TensorList values, at::TensorList caches, int64_t length,
+                      at::TensorList rows, int64_t heads, int64_t kv_heads, double eps,
+                      double scale, bool gelu, int64_t max_decode_rows) {
+  const size_t layers = caches.size();
+  TORCH_CHECK(layers > 0 && norms.size() % layers == 0 && counts.size() == 4 * layers &&
+                  pairs.size() == packed.size() && types.size() == packed.size() &&
+                  keys.size() == layers && values.size() == layers && rows.size() == layers &&
+                  windows.size() == layers,
+              "per layer: its norms, 4 projections (qkv, o, gate_up, down) of one or more parts "
+              "with their types, a window, keys, values, cache and rows");
+  const int64_t per_layer = static_cast<int64_t>(norms.size() / layers);
+  TORCH_CHECK(per_layer == 2 || per_layer == 4 || per_layer == 6,
+              "2, 4 or 6 norms a layer (input and pre-MLP; QK-norms; output norms), not ", per_layer);
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1, "h must be [tokens, hidden]");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must group by kv_heads");
   int64_t tokens = h.size(0), hidden = h.size(1), dim = keys[0].size(-1);
-  TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous() && rows.dim() == 2 &&
-                  rows.size(0) == tokens && rows.size(1) == 2,
-              "rows must be int64 [tokens, 2] (each token's K and V rows of the pool)");
-  LayerShape s{hidden, heads, kv_heads, dim, packed[2].size(0) / 2, static_cast<float>(eps),
-               static_cast<float>(scale), max_decode_rows};
-  floats(h, tokens * hidden, "h");
-  const float* c = floats(cos, tokens * dim, "cos");
-  const float* sn = floats(sin, tokens * dim, "sin");
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    LayerWeights w = layer_weights(norms, packed, pairs, types, layer, s);
-    decode_layer(h, w, s, c, sn, kv_target(keys[layer], values[layer], caches[layer], length, rows, s));
+  int64_t gate_up = 0;  // layer 0's gate_up rows: twice the MLP's width
+  for (int64_t p = counts[0] + counts[1]; p < counts[0] + counts[1] + counts[2]; ++p) {
+    TORCH_CHECK(p < static_cast<int64_t>(packed.size()), "fewer parts than the counts say");
+    gate_up += packed[p].size(0);
   }
+  LayerShape s{hidden, heads, kv_heads, dim, gate_up / 2, static_cast<float>(eps),
+               static_cast<float>(scale), max_decode_rows, gelu};
+  floats(h, tokens * hidden, "h");
+  const float* rope[4] = {floats(cos, tokens * dim, "cos"), floats(sin, tokens * dim, "sin"),
+                          floats(local_cos, tokens * dim, "local_cos"),
+                          floats(local_sin, tokens * dim, "local_sin")};
+  FlatParts parts{packed, pairs, types, counts};
+  for (size_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(windows[layer] >= 0, "layer ", layer, ": window ", windows[layer], " < 0");
+    TORCH_CHECK(rows[layer].dtype() == at::kLong && rows[layer].is_contiguous() &&
+                    rows[layer].dim() == 2 && rows[layer].size(0) == tokens && rows[layer].size(1) == 2,
+                "rows must be int64 [tokens, 2] (each token's K and V rows of the layer's pool)");
+    LayerWeights w = layer_weights(norms, per_layer, parts, layer, s, rope, windows[layer]);
+    decode_layer(h, w, s, kv_target(keys[layer], values[layer], caches[layer], length, rows[layer], s));
+  }
+  TORCH_CHECK(parts.next_part == packed.size(), "more parts than the counts say");
 }
 
 at::Tensor head_logits_op(const at::Tensor& parts, const at::Tensor& hidden,
@@ -197,9 +241,10 @@ TORCH_LIBRARY(prefixcache, m) {
       "Tensor plane_norms, int planes, float safety) -> Tensor");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
-      "int[] ggml_types, Tensor cos, Tensor sin, Tensor(b!)[] keys, Tensor(c!)[] values, "
-      "Tensor(d!)[] caches, int length, Tensor rows, int heads, int kv_heads, float eps, "
-      "float scale, int max_decode_rows) -> ()");
+      "int[] ggml_types, int[] part_counts, Tensor cos, Tensor sin, Tensor local_cos, "
+      "Tensor local_sin, int[] windows, Tensor(b!)[] keys, Tensor(c!)[] values, "
+      "Tensor(d!)[] caches, int length, Tensor[] rows, int heads, int kv_heads, float eps, "
+      "float scale, bool gelu, int max_decode_rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {

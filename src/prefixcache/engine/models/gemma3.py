@@ -18,7 +18,14 @@ from torch import nn
 
 from prefixcache.engine.attention import AttentionMetadata, paged_attention
 from prefixcache.engine.config import ModelConfig
+from prefixcache.engine.fused_decode import (
+    MAX_FUSED_ROWS,
+    FusedWeights,
+    fused_applies,
+    fused_decode,
+)
 from prefixcache.engine.kv_store import KVStore
+from prefixcache.engine.lone_decode import LoneDecode
 from prefixcache.engine.model_files import ModelFileError
 from prefixcache.engine.models.family import BASE_LAYER_NAMES, QK_NORM_NAMES, Family, GgufFields
 from prefixcache.engine.models.llama import (
@@ -68,6 +75,14 @@ class Gemma3Layer(nn.Module):
         self.o: Linear = DenseLinear(self.o_proj)
         self.gate_up: Linear = DenseLinear(self.gate_up_proj)
         self.down: Linear = DenseLinear(self.down_proj)
+
+    def fused_norms(self) -> list[torch.Tensor]:
+        """The norms in the fused kernel's order: input, pre-MLP, the QK-norms, then those of
+        the attention's and the MLP's outputs."""
+        return [
+            self.input_layernorm, self.pre_feedforward_layernorm, self.q_norm, self.k_norm,
+            self.post_attention_layernorm, self.post_feedforward_layernorm,
+        ]  # fmt: skip
 
     def forward(
         self,
@@ -130,6 +145,15 @@ class Gemma3Model(nn.Module):
         self.local_rotary = Rotary(config.head_dim, config.rope_local_theta, positions)
         self.head: DenseLinear | PackedLinear = DenseLinear(self.embed_tokens)
         self.embedding: PackedWeight | None = None  # the packed embedding, once quantized
+        self.lone = LoneDecode()
+        self.fused_weights: FusedWeights | None = None  # built on the first fused decode
+
+    gated_by_gelu = True  # GeGLU
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin for the full layers, then for the window layers (their own base)."""
+        full, local = self.rotary, self.local_rotary
+        return (*full(positions, torch.float32), *local(positions, torch.float32))
 
     @torch.inference_mode()
     def forward(
@@ -140,8 +164,14 @@ class Gemma3Model(nn.Module):
         kv_store: KVStore,
         fused: bool = True,
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm."""
+        """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm. One
+        sequence adding a few tokens runs its layers fused (`fused_decode.py`) where it can,
+        unless not `fused`."""
         h = self._embed(input_ids)
+        use_fused = fused and fused_applies(self, kv_store)
+        if use_fused and self.lone.prepare(metadata, kv_store, self.dtype, MAX_FUSED_ROWS):
+            h = fused_decode(self, h, positions, metadata, kv_store)
+            return rms_norm(h, self.norm, self.config.rms_norm_eps)
         full = self.rotary(positions, self.dtype)
         local = self.local_rotary(positions, self.dtype)
         for i, layer in enumerate(self.layers):

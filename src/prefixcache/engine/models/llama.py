@@ -2,7 +2,8 @@
 
 Qwen 2 adds a bias to q/k/v; Qwen 3 normalises each query and key head (QK-norm) before
 RoPE; Llama 3 divides RoPE's frequencies by the file's `rope_freqs`. Attention reads paged
-KV blocks. A plain Llama (no bias, no QK-norm) can run fused (`fused_decode.py`).
+KV blocks. A Llama without a projection bias (Qwen 3's QK-norms included) can run fused
+(`fused_decode.py`).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim**-0.5
+        self.window = 0  # full attention
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv_proj = param(qkv_rows, c.hidden_size)
         self.o_proj = param(c.hidden_size, c.num_heads * c.head_dim)
@@ -215,6 +217,11 @@ class DecoderLayer(nn.Module):
     def quantize(self, prefix: str, blocks: Mapping[str, Blocks]) -> list[str]:
         """Run each projection on its file's blocks; the HF names done (`quantize_projections`)."""
         return quantize_projections(self, prefix, blocks)
+
+    def fused_norms(self) -> list[torch.Tensor]:
+        """The norms in the fused kernel's order: input, pre-MLP, then the QK-norms if any."""
+        qk = [self.q_norm, self.k_norm] if self.q_norm is not None else []
+        return [self.input_layernorm, self.post_attention_layernorm, *qk]  # type: ignore[list-item]
 
     def forward(
         self,
@@ -291,6 +298,13 @@ class LlamaModel(nn.Module):
         if not fused_supported(config) and config.architecture not in _SAID_EAGER:
             _SAID_EAGER.add(config.architecture)
             log.info("%s: no fused kernel for its layers yet; the eager path runs", config.name)
+
+    gated_by_gelu = False  # the MLP's gate: SiLU
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin for the full layers, then for the window layers (the same: none here)."""
+        cos, sin = self.rotary(positions, torch.float32)
+        return cos, sin, cos, sin
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
