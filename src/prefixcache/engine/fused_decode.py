@@ -1,13 +1,13 @@
 """One sequence's forward, all layers in one native call (`kernels/decode_layer.cpp`).
 
 The eager layers (`DecoderLayer`, `Gemma3Layer`) run ~25-35 torch ops each, and for a few
-tokens their Python and dispatch overhead costs as much as the matmuls. When the model is fp32 on int4 or GGUF-block
-weights (with an fp32, bf16 or int8 KV store), the native kernels load, and the batch is one
-sequence adding at most `MAX_FUSED_ROWS` tokens (a decode step, or a short prompt or prompt
-suffix), the layers run in one call instead: the same kernels for the projections (the same
-numbers), norms, RoPE, the K/V stores (the paged pool in its dtype, and the sequence's
-contiguous fp32 copy, `lone_decode.py`, holding the values as stored) and causal attention
-in C++. Each layer reads and writes through its KV group's view of the batch
+tokens their Python and dispatch overhead costs as much as the matmuls. When the model is
+fp32 on int4 or GGUF-block weights (with an fp32, bf16 or int8 KV store), the native kernels
+load, and the batch is one sequence adding at most `MAX_FUSED_ROWS` tokens (a decode step,
+or a short prompt or prompt suffix), the layers run in one call instead: the same kernels for
+the projections (the same numbers), norms, RoPE, the K/V stores (the paged pool in its dtype,
+and the sequence's contiguous fp32 copy, `lone_decode.py`, holding the values as stored) and
+causal attention in C++. Each layer reads and writes through its KV group's view of the batch
 (`AttentionMetadata.for_group`): a window layer attends to its window, and in a hybrid pool
 keeps its K/V in its own pages. Anything else takes the eager path.
 """
