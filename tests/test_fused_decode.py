@@ -134,7 +134,7 @@ def _call_op(engine, keys: torch.Tensor, length: int, norms=None, types=None, wi
     rope = [torch.zeros(1, 64)] * 4
     torch.ops.prefixcache.decode_layers(
         torch.zeros(1, 576), layer_norms if norms is None else norms, w.packed, w.pairs,
-        w.types if types is None else types, w.counts, *rope, list(windows), [keys],
+        w.types if types is None else types, w.counts, w.biases, *rope, list(windows), [keys],
         [keys.clone()], [engine.kv_store.layers[0]], length, [torch.tensor([[0, 16]])],
         layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale, False, max_decode_rows(),
     )  # fmt: skip

@@ -40,16 +40,12 @@ FUSED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # pools the kerne
 
 
 def fused_supported(config: ModelConfig) -> bool:
-    """Whether the fused kernel knows this model's layers: Llama's (with Qwen 3's QK-norms)
-    and Gemma 3's (QK-norms, sandwich norms, GeGLU, windows with their own RoPE); not a
-    projection bias (Qwen 2) nor a window on a Llama-family layer."""
+    """Whether the fused kernel knows this model's layers: Llama's (with Qwen 2's q|k|v bias
+    or Qwen 3's QK-norms) and Gemma 3's (QK-norms, sandwich norms, GeGLU, windows with their
+    own RoPE); not a window on a Llama-family layer."""
     if config.architecture == "gemma3":
-        return not config.attention_bias
-    return (
-        config.architecture in ("llama", "qwen3")
-        and not config.attention_bias
-        and not config.sliding_window
-    )
+        return True
+    return config.architecture in ("llama", "qwen2", "qwen3") and not config.sliding_window
 
 
 def projections(model: FusedModel) -> tuple[object, ...]:
@@ -84,7 +80,7 @@ def fused_decode(
     rows = [kv_store.rows_of(view.slot_mapping) for view in views]
     w = _weights(model)
     torch.ops.prefixcache.decode_layers(
-        h, w.norms, w.packed, w.pairs, w.types, w.counts, *tables, w.windows, lone.keys,
+        h, w.norms, w.packed, w.pairs, w.types, w.counts, w.biases, *tables, w.windows, lone.keys,
         lone.values, kv_store.layers, lone.length, rows, first.num_heads, first.num_kv_heads,
         first.eps, first.scale, w.gelu, max_decode_rows(),
     )  # fmt: skip
@@ -93,17 +89,18 @@ def fused_decode(
 
 Projection = Int4Linear | PackedLinear | ConcatLinear
 _NO_PAIRS = torch.empty(0, dtype=torch.bfloat16)  # a GGUF projection's unused scale pairs
+_NO_BIAS = torch.empty(0)  # a layer without a q|k|v bias
 
 
 class FusedWeights:
     """Per layer, its norms (`fused_norms`) and its 4 projections, each of one or more parts
-    (int4: packed codes and scale/zero pairs, type -1; GGUF: its blocks and type), and its
-    window, as the flat lists the op takes; with what they were built from, to notice a
-    change."""
+    (int4: packed codes and scale/zero pairs, type -1; GGUF: its blocks and type), its q|k|v
+    bias (empty: none) and its window, as the flat lists the op takes; with what they were
+    built from, to notice a change."""
 
     __slots__ = (
-        "counts", "gelu", "linears", "norm_pointers", "norms", "packed", "pairs", "types",
-        "windows",
+        "biases", "counts", "gelu", "linears", "norm_pointers", "norms", "packed", "pairs",
+        "types", "windows",
     )  # fmt: skip
 
     def __init__(
@@ -112,12 +109,15 @@ class FusedWeights:
         norms: list[torch.Tensor],
         windows: list[int] | None = None,
         gelu: bool = False,
+        biases: list[torch.Tensor | None] | None = None,
     ) -> None:
         self.linears = linears
         self.norm_pointers = [n.data_ptr() for n in norms]
         self.norms = norms
         self.windows = windows if windows is not None else [0] * (len(linears) // 4)
         self.gelu = gelu
+        layers = len(self.windows)
+        self.biases = [_NO_BIAS if b is None else b.data for b in biases or [None] * layers]
         parts = [_parts(linear) for linear in linears]
         self.counts = [len(p) for p in parts]
         flat = [part for p in parts for part in p]
@@ -146,5 +146,6 @@ def _weights(model: FusedModel) -> FusedWeights:
     norms = [n.data for layer in model.layers for n in layer.fused_norms()]
     if model.fused_weights is None or not model.fused_weights.built_from(linears, norms):
         windows = [layer.window for layer in model.layers]
-        model.fused_weights = FusedWeights(linears, norms, windows, model.gated_by_gelu)
+        biases = [layer.qkv_bias for layer in model.layers]
+        model.fused_weights = FusedWeights(linears, norms, windows, model.gated_by_gelu, biases)
     return model.fused_weights

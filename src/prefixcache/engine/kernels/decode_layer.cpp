@@ -1,4 +1,5 @@
-// A decoder layer (Llama's, Qwen 3's QK-norms, Gemma 3's sandwich norms, GeGLU and windows)
+// A decoder layer (Llama's; Qwen 2's bias, Qwen 3's QK-norms; Gemma 3's sandwich norms, GeGLU
+// and windows)
 // for the new tokens of one sequence, in one call: the projections on
 // torch's int4 kernel or on the GGUF blocks (the same numbers as the eager path), norms,
 // RoPE, the K/V stores and attention in C++ loops, instead of ~25 torch ops, each with its
@@ -43,6 +44,15 @@ at::Tensor project(const at::Tensor& x, const Projections& parts, const LayerSha
   std::vector<at::Tensor> outputs;
   for (const Projection& part : parts) outputs.push_back(project_part(x, part, s));
   return at::cat(outputs, 1);
+}
+
+// y [T, n] += bias [n], row by row.
+void add_bias(at::Tensor& y, const float* bias) {
+  const int64_t n = y.size(1);
+  float* row = y.data_ptr<float>();
+  for (int64_t t = 0; t < y.size(0); ++t, row += n) {
+    for (int64_t i = 0; i < n; ++i) row[i] += bias[i];
+  }
 }
 
 // Each new token's query and key heads RMS-normalised in place by the QK-norms, if any.
@@ -239,6 +249,7 @@ void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, con
   at::Tensor normed = x.narrow(1, 0, s.hidden);
   rms_norm(hp, w.input_norm, tokens, s.hidden, s.eps, x.data_ptr<float>(), width);
   at::Tensor qkv = project(normed, w.qkv, s);
+  if (w.qkv_bias != nullptr) add_bias(qkv, w.qkv_bias);
   qk_norm(qkv.data_ptr<float>(), tokens, w, s);
   store_kv(qkv.data_ptr<float>(), tokens, s, w.cos, w.sin, kv);
   add(hp, project(attend(qkv, tokens, kv, s, w.window), w.o, s), w.attention_out_norm, s);

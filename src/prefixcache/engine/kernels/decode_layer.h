@@ -24,7 +24,8 @@ struct Projection {
 using Projections = std::vector<Projection>;
 
 // A layer's weights and what sets it apart from the others. The norms after attention and
-// after the MLP (Gemma 3's sandwich) and the QK-norms are null where the family has none.
+// after the MLP (Gemma 3's sandwich), the QK-norms and the bias are null where the family has
+// none.
 struct LayerWeights {
   const float* input_norm;
   const float* post_norm;  // before the MLP
@@ -32,6 +33,7 @@ struct LayerWeights {
   const float* k_norm;
   const float* attention_out_norm;
   const float* mlp_out_norm;
+  const float* qkv_bias;  // null, or Qwen 2's bias on q|k|v
   Projections qkv, o, gate_up, down;
   const float* cos;  // this layer's RoPE tables, [T, head_dim]
   const float* sin;

@@ -64,10 +64,12 @@ struct FlatParts {
 };
 
 // One layer's norms (`per_layer` of them: input and pre-MLP; then the QK-norms; then the
-// norms of the attention's and the MLP's outputs), projections, RoPE tables and window.
-LayerWeights layer_weights(at::TensorList norms, int64_t per_layer, FlatParts& parts,
-                           int64_t layer, const LayerShape& s, const float* const* rope,
-                           int64_t window) {
+// norms of the attention's and the MLP's outputs), qkv bias (empty: none), projections, RoPE
+// tables and window.
+LayerWeights layer_weights(at::TensorList norms, int64_t per_layer, const at::Tensor& bias,
+                           FlatParts& parts, int64_t layer, const LayerShape& s,
+                           const float* const* rope, int64_t window) {
+  const int64_t qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim;
   const at::Tensor* n = norms.data() + per_layer * layer;
   auto norm = [&](int64_t i, int64_t size, const char* name) {
     return i < per_layer ? floats(n[i], size, name) : nullptr;
@@ -75,10 +77,10 @@ LayerWeights layer_weights(at::TensorList norms, int64_t per_layer, FlatParts& p
   LayerWeights w{norm(0, s.hidden, "input_norm"), norm(1, s.hidden, "post_norm"),
                  norm(2, s.head_dim, "q_norm"), norm(3, s.head_dim, "k_norm"),
                  norm(4, s.hidden, "attention_out_norm"), norm(5, s.hidden, "mlp_out_norm"),
-                 parts.take(s.hidden), parts.take(s.heads * s.head_dim), parts.take(s.hidden),
+                 bias.numel() == 0 ? nullptr : floats(bias, qkv_rows, "qkv_bias"), parts.take(s.hidden), parts.take(s.heads * s.head_dim), parts.take(s.hidden),
                  parts.take(s.intermediate), rope[window > 0 ? 2 : 0], rope[window > 0 ? 3 : 1],
                  window};
-  TORCH_CHECK(rows_of(w.qkv) == (s.heads + 2 * s.kv_heads) * s.head_dim &&
+  TORCH_CHECK(rows_of(w.qkv) == qkv_rows &&
                   rows_of(w.o) == s.hidden && rows_of(w.gate_up) == 2 * s.intermediate &&
                   rows_of(w.down) == s.hidden,
               "layer ", layer, ": projection shapes do not match the heads and the hidden size");
@@ -103,7 +105,7 @@ KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::T
 
 void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
                       at::TensorList pairs, at::IntArrayRef types, at::IntArrayRef counts,
-                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos,
+                      at::TensorList biases, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos,
                       const at::Tensor& local_sin, at::IntArrayRef windows, at::TensorList keys,
                       at::TensorList values, at::TensorList caches, int64_t length,
                       at::TensorList rows, int64_t heads, int64_t kv_heads, double eps,
@@ -112,9 +114,9 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
   TORCH_CHECK(layers > 0 && norms.size() % layers == 0 && counts.size() == 4 * layers &&
                   pairs.size() == packed.size() && types.size() == packed.size() &&
                   keys.size() == layers && values.size() == layers && rows.size() == layers &&
-                  windows.size() == layers,
+                  windows.size() == layers && biases.size() == layers,
               "per layer: its norms, 4 projections (qkv, o, gate_up, down) of one or more parts "
-              "with their types, a window, keys, values, cache and rows");
+              "with their types, a qkv bias (or none), a window, keys, values, cache and rows");
   const int64_t per_layer = static_cast<int64_t>(norms.size() / layers);
   TORCH_CHECK(per_layer == 2 || per_layer == 4 || per_layer == 6,
               "2, 4 or 6 norms a layer (input and pre-MLP; QK-norms; output norms), not ", per_layer);
@@ -138,7 +140,7 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
     TORCH_CHECK(rows[layer].dtype() == at::kLong && rows[layer].is_contiguous() &&
                     rows[layer].dim() == 2 && rows[layer].size(0) == tokens && rows[layer].size(1) == 2,
                 "rows must be int64 [tokens, 2] (each token's K and V rows of the layer's pool)");
-    LayerWeights w = layer_weights(norms, per_layer, parts, layer, s, rope, windows[layer]);
+    LayerWeights w = layer_weights(norms, per_layer, biases[layer], parts, layer, s, rope, windows[layer]);
     decode_layer(h, w, s, kv_target(keys[layer], values[layer], caches[layer], length, rows[layer], s));
   }
   TORCH_CHECK(parts.next_part == packed.size(), "more parts than the counts say");
@@ -241,7 +243,7 @@ TORCH_LIBRARY(prefixcache, m) {
       "Tensor plane_norms, int planes, float safety) -> Tensor");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
-      "int[] ggml_types, int[] part_counts, Tensor cos, Tensor sin, Tensor local_cos, "
+      "int[] ggml_types, int[] part_counts, Tensor[] qkv_biases, Tensor cos, Tensor sin, Tensor local_cos, "
       "Tensor local_sin, int[] windows, Tensor(b!)[] keys, Tensor(c!)[] values, "
       "Tensor(d!)[] caches, int length, Tensor[] rows, int heads, int kv_heads, float eps, "
       "float scale, bool gelu, int max_decode_rows) -> ()");

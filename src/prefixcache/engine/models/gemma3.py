@@ -64,6 +64,7 @@ class Gemma3Layer(nn.Module):
         param = partial(_param, dtype=dtype, device=device)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps, self.scale, self.window = c.rms_norm_eps, c.scale, window
+        self.qkv_bias = None  # Gemma 3 has none
         self.qkv_proj = param((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
         self.o_proj = param(c.hidden_size, c.num_heads * c.head_dim)
         self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
