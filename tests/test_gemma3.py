@@ -227,7 +227,8 @@ def test_metrics_give_window_pages_and_bytes_per_cached_token_by_group(served, t
 
 # Nats. Both paths run the same GGUF kernels for every projection (the same numbers); they
 # differ in the order of the norms', RoPE's and attention's fp32 sums and in tanh's own
-# rounding (GeGLU): measured 4.5e-6 at most over 18 layers and the steps here (both layouts).
+# rounding (GeGLU through a sigmoid): measured 3.5e-6 at most over 18 layers and the steps
+# here (both layouts).
 FUSED_TOLERANCE = 1e-3
 
 
