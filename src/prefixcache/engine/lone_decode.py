@@ -93,7 +93,7 @@ class LoneDecode:
         n = self.length - self.new_tokens
         if not self.rebuild or n <= 0:
             return
-        tables: dict[tuple[int, ...], torch.Tensor] = {}
+        tables = {self.table: self._block_ids}  # the sequence's own; a window group's too
         for layer, (cache, view) in enumerate(zip(caches, views, strict=True)):
             if view.lone_table is None:
                 raise ValueError("a fused forward's views must be of one sequence")

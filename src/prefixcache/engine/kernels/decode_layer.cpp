@@ -1,9 +1,8 @@
 // A decoder layer (Llama's; Qwen 2's bias, Qwen 3's QK-norms; Gemma 3's sandwich norms, GeGLU
-// and windows)
-// for the new tokens of one sequence, in one call: the projections on
-// torch's int4 kernel or on the GGUF blocks (the same numbers as the eager path), norms,
-// RoPE, the K/V stores and attention in C++ loops, instead of ~25 torch ops, each with its
-// Python and dispatch cost.
+// and windows) for the new tokens of one sequence, in one call: the projections on torch's
+// int4 kernel or on the GGUF blocks (the same numbers as the eager path), norms, RoPE, the K/V
+// stores and attention in C++ loops, instead of ~25 torch ops, each with its Python and
+// dispatch cost.
 #include "decode_layer.h"
 
 #include "gguf_matmul.h"
@@ -59,11 +58,8 @@ void add_bias(at::Tensor& y, const float* bias) {
 void qk_norm(float* qkv, int64_t tokens, const LayerWeights& w, const LayerShape& s) {
   if (w.q_norm == nullptr) return;
   const int64_t row = (s.heads + 2 * s.kv_heads) * s.head_dim;
-  for (int64_t t = 0; t < tokens; ++t) {
-    float* q = qkv + t * row;
-    float* k = q + s.heads * s.head_dim;
-    rms_norm(q, w.q_norm, s.heads, s.head_dim, s.eps, q, s.head_dim);
-    rms_norm(k, w.k_norm, s.kv_heads, s.head_dim, s.eps, k, s.head_dim);
+  for (float* q = qkv; q < qkv + tokens * row; q += row) {
+    norm_heads(q, q, w.q_norm, w.k_norm, s.heads, s.kv_heads, s.head_dim, s.eps);
   }
 }
 
@@ -241,6 +237,12 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, floa
   }
 }
 
+void norm_heads(const float* src, float* dst, const float* q_norm, const float* k_norm,
+                int64_t heads, int64_t kv_heads, int64_t dim, float eps) {
+  rms_norm(src, q_norm, heads, dim, eps, dst, dim);
+  rms_norm(src + heads * dim, k_norm, kv_heads, dim, eps, dst + heads * dim, dim);
+}
+
 void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
@@ -271,13 +273,8 @@ void decode_layer(at::Tensor& h, const LayerWeights& w, const LayerShape& s, con
   for (int64_t t = 0; t < tokens; ++t) {
     const float* gu = gate_up.data_ptr<float>() + t * 2 * s.intermediate;
     float* out = act + t * width;
-    if (s.gelu) {
 #pragma omp simd
-      for (int64_t i = 0; i < s.intermediate; ++i) out[i] = gated(gu[i], true) * gu[s.intermediate + i];
-    } else {
-#pragma omp simd
-      for (int64_t i = 0; i < s.intermediate; ++i) out[i] = gated(gu[i], false) * gu[s.intermediate + i];
-    }
+    for (int64_t i = 0; i < s.intermediate; ++i) out[i] = gated(gu[i], s.gelu) * gu[s.intermediate + i];
   }
   add(hp, project(x.narrow(1, 0, s.intermediate), w.down, s), w.mlp_out_norm, s);
 }

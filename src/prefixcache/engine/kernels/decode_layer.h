@@ -65,6 +65,11 @@ struct KVTarget {
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps,
               float* out, int64_t stride);
 
+// One token's QK-norms: its `heads` query heads of src [heads + kv_heads, dim] normed by
+// `q_norm`, then its key heads by `k_norm`, into dst (which may be src).
+void norm_heads(const float* src, float* dst, const float* q_norm, const float* k_norm,
+                int64_t heads, int64_t kv_heads, int64_t dim, float eps);
+
 // Each of `heads` heads of x [heads, dim] rotated in place: x * cos + rotate_half(x) * sin,
 // with `sin` already signed ([-sin, sin]) as models.llama.Rotary makes it.
 void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin);

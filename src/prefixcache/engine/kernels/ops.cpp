@@ -1,6 +1,6 @@
 // torch.ops.prefixcache: the native kernels' checked entry points (decode_layers,
-// head_logits, round_bf16_, rms_norm, rope_heads, gather_kv, write_kv_, and gguf_matmul.cpp's gguf_simd,
-// gguf_dequantize and gguf_matmul): every op of the library is registered here.
+// head_logits, round_bf16_, rms_norm, rope_heads, gather_kv, write_kv_, and gguf_matmul.cpp's
+// gguf_simd, gguf_dequantize and gguf_matmul): every op of the library is registered here.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -77,12 +77,12 @@ LayerWeights layer_weights(at::TensorList norms, int64_t per_layer, const at::Te
   LayerWeights w{norm(0, s.hidden, "input_norm"), norm(1, s.hidden, "post_norm"),
                  norm(2, s.head_dim, "q_norm"), norm(3, s.head_dim, "k_norm"),
                  norm(4, s.hidden, "attention_out_norm"), norm(5, s.hidden, "mlp_out_norm"),
-                 bias.numel() == 0 ? nullptr : floats(bias, qkv_rows, "qkv_bias"), parts.take(s.hidden), parts.take(s.heads * s.head_dim), parts.take(s.hidden),
+                 bias.numel() == 0 ? nullptr : floats(bias, qkv_rows, "qkv_bias"),
+                 parts.take(s.hidden), parts.take(s.heads * s.head_dim), parts.take(s.hidden),
                  parts.take(s.intermediate), rope[window > 0 ? 2 : 0], rope[window > 0 ? 3 : 1],
                  window};
-  TORCH_CHECK(rows_of(w.qkv) == qkv_rows &&
-                  rows_of(w.o) == s.hidden && rows_of(w.gate_up) == 2 * s.intermediate &&
-                  rows_of(w.down) == s.hidden,
+  TORCH_CHECK(rows_of(w.qkv) == qkv_rows && rows_of(w.o) == s.hidden &&
+                  rows_of(w.gate_up) == 2 * s.intermediate && rows_of(w.down) == s.hidden,
               "layer ", layer, ": projection shapes do not match the heads and the hidden size");
   return w;
 }
@@ -105,9 +105,10 @@ KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::T
 
 void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
                       at::TensorList pairs, at::IntArrayRef types, at::IntArrayRef counts,
-                      at::TensorList biases, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos,
-                      const at::Tensor& local_sin, at::IntArrayRef windows, at::TensorList keys,
-                      at::TensorList values, at::TensorList caches, int64_t length,
+                      at::TensorList biases, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& local_cos, const at::Tensor& local_sin,
+                      at::IntArrayRef windows, at::TensorList keys, at::TensorList values,
+                      at::TensorList caches, int64_t length,
                       at::TensorList rows, int64_t heads, int64_t kv_heads, double eps,
                       double scale, bool gelu, int64_t max_decode_rows) {
   const size_t layers = caches.size();
@@ -207,8 +208,7 @@ at::Tensor rope_heads_op(const at::Tensor& qk, const at::Tensor& cos, const at::
       const float* row = src + t * qk.stride(0);
       float* o = dst + t * all * dim;
       if (qn != nullptr) {
-        rms_norm(row, qn, heads, dim, static_cast<float>(eps), o, dim);
-        rms_norm(row + heads * dim, kn, all - heads, dim, static_cast<float>(eps), o + heads * dim, dim);
+        norm_heads(row, o, qn, kn, heads, all - heads, dim, static_cast<float>(eps));
       } else {
         std::copy(row, row + all * dim, o);
       }
@@ -243,8 +243,8 @@ TORCH_LIBRARY(prefixcache, m) {
       "Tensor plane_norms, int planes, float safety) -> Tensor");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] packed, Tensor[] scales_and_zeros, "
-      "int[] ggml_types, int[] part_counts, Tensor[] qkv_biases, Tensor cos, Tensor sin, Tensor local_cos, "
-      "Tensor local_sin, int[] windows, Tensor(b!)[] keys, Tensor(c!)[] values, "
+      "int[] ggml_types, int[] part_counts, Tensor[] qkv_biases, Tensor cos, Tensor sin, "
+      "Tensor local_cos, Tensor local_sin, int[] windows, Tensor(b!)[] keys, Tensor(c!)[] values, "
       "Tensor(d!)[] caches, int length, Tensor[] rows, int heads, int kv_heads, float eps, "
       "float scale, bool gelu, int max_decode_rows) -> ()");
 }
