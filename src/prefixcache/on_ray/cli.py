@@ -299,11 +299,13 @@ def _wait_for_proxy(args: argparse.Namespace) -> None:
     """Ray's proxy answers on the port; RuntimeError if Serve already ran without one there."""
     import httpx
 
+    from prefixcache.protocol import loopback_http
+
     url = f"{router_url(args.host, args.port)}/-/healthz"
     deadline = time.monotonic() + PROXY_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
-            httpx.get(url, timeout=2.0)
+            loopback_http.get(url, timeout=2.0)
             return
         except httpx.HTTPError:
             time.sleep(0.5)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from prefixcache.protocol import loopback_http
 from prefixcache.shutdown import with_parent_death
 
 START_TIMEOUT_S = 180.0  # a cold model build on a loaded node
@@ -112,7 +113,7 @@ class ChildKeeper:
 
     def _answers(self) -> bool:
         try:
-            httpx.get(self.ready_url, timeout=1.0)
+            loopback_http.get(self.ready_url, timeout=1.0)
             return True
         except httpx.HTTPError:
             return False

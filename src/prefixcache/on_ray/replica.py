@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 
 from prefixcache.on_ray.keeper import ChildKeeper, PrivateFolder, Supervisor, prefixcache_command
 from prefixcache.on_ray.specs import HEARTBEAT_S, EngineSpec
+from prefixcache.protocol import loopback_http
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.event_flags import is_loopback_endpoint
 from prefixcache.router.cluster import TIER_ENV, address, free_port, router_url
@@ -110,7 +111,7 @@ class EngineReplica(Supervisor):
         code = self.keeper.exit_code()
         if code is not None:
             raise RuntimeError(f"prefixcache serve exited with {code}")
-        httpx.get(f"{self.url}/health", timeout=CHECK_TIMEOUT_S).raise_for_status()
+        loopback_http.get(f"{self.url}/health", timeout=CHECK_TIMEOUT_S).raise_for_status()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Requests running and waiting on the server, for ``autoscale.engine_load_policy``."""

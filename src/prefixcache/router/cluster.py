@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from prefixcache.model_names import MODEL_HELP
+from prefixcache.protocol import loopback_http
 from prefixcache.protocol.event_flags import add_event_format_flags, event_format_args
 from prefixcache.protocol.replica_flags import add_replica_flags, replica_flags, set_flags
 from prefixcache.protocol.tenant_secret import load_secrets
@@ -227,7 +228,7 @@ class Readiness:
 def healthy_replicas(router_url: str) -> int | None:
     """How many replicas the router has in its rotation; None if it does not answer yet."""
     try:
-        body = httpx.get(f"{router_url}/health", timeout=HEALTH_POLL_TIMEOUT_S).json()
+        body = loopback_http.get(f"{router_url}/health", timeout=HEALTH_POLL_TIMEOUT_S).json()
         return sum(1 for replica in body["replicas"] if replica["healthy"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
