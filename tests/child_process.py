@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import httpx
 
+import loopback
+
 
 def wait_answering(
     process: subprocess.Popen, url: str, name: str, log_tail: Callable[[], str], timeout: float
@@ -20,7 +22,7 @@ def wait_answering(
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited: {log_tail()}")
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            if loopback.get(url, timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -32,22 +32,22 @@ def read_lines(process: subprocess.Popen) -> list[str]:
     return lines
 
 
+def _entry(pid: int | str) -> tuple[int, str] | None:
+    """``pid``'s (parent pid, command line) from /proc; None once it exited or is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:  # it exited meanwhile
+        return None
+    return None if fields[0] == "Z" else (int(fields[1]), command)
+
+
 def process_table() -> dict[int, tuple[int, str]]:
     """Every live process: pid -> (parent pid, command line), read from /proc (no zombies)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # it exited meanwhile
-            continue
-        if fields[0] != "Z":
-            table[int(entry)] = (int(fields[1]), command)
-    return table
+    entries = {int(pid): _entry(pid) for pid in os.listdir("/proc") if pid.isdigit()}
+    return {pid: entry for pid, entry in entries.items() if entry is not None}
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -63,9 +63,9 @@ def descendants(pid: int) -> dict[int, str]:
 
 
 def survivors(processes: dict[int, str]) -> list[str]:
-    """Those of ``processes`` (pid -> command line) still running as the same command."""
-    table = process_table()
-    return [command for pid, command in processes.items() if table.get(pid, (0, ""))[1] == command]
+    """Those of ``processes`` (pid -> command line) still running as the same command (their
+    own /proc entries only: the loops that poll this would read every process's otherwise)."""
+    return [command for pid, command in processes.items() if (_entry(pid) or (0, ""))[1] == command]
 
 
 def send(process: subprocess.Popen, sig: int, to_group: bool) -> None:

@@ -14,9 +14,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import yaml  # PyYAML, a dependency of gguf
 
+import loopback
 from child_process import terminate, wait_answering
 from server_fixtures import free_port
 
@@ -157,13 +157,13 @@ class PrometheusProcess:
 
     def api(self, path: str, **params: str) -> dict:
         """``/api/v1/<path>``'s ``data``; AssertionError with Prometheus' error otherwise."""
-        reply = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        reply = loopback.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
         assert reply["status"] == "success", f"{path} {params}: {reply.get('error')}"
         return reply["data"]
 
     def query(self, expr: str) -> list[dict]:
         """An instant query's series (a vector, or a scalar as one series)."""
-        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+        reply = loopback.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
         if reply["status"] != "success":
             raise ValueError(reply.get("error", reply))
         data = reply["data"]

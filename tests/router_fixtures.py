@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 from safetensors.torch import save_file
 
+import loopback
 from child_process import terminate
 from engine_fixtures import random_state_dict, tiny_config
 from prefixcache.engine.model_files import load_tokenizer
@@ -108,7 +109,7 @@ class ReplicaProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"replica exited: {self.log_tail()}")
             try:
-                return httpx.get(f"{self.url}/health", timeout=1).json()
+                return loopback.get(f"{self.url}/health", timeout=1).json()
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise RuntimeError(f"replica did not start: {self.log_tail()}")

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
+import loopback
 from prefixcache.protocol.access_log import HealthCheckFilter, ResponseIdFilter
 from router_fixtures import ReplicaProcess, write_tiny_hf_model
 from server_fixtures import free_port
@@ -57,8 +57,8 @@ def test_serve_logs_v1_models_but_not_health(tmp_path: Path) -> None:
     replica = ReplicaProcess(write_tiny_hf_model(tmp_path / "tiny-hf"), tmp_path)
     try:
         replica.start().wait_ready()  # polls /health itself
-        assert httpx.get(f"{replica.url}/health").status_code == 200
-        assert httpx.get(f"{replica.url}/v1/models").status_code == 200
+        assert loopback.get(f"{replica.url}/health").status_code == 200
+        assert loopback.get(f"{replica.url}/v1/models").status_code == 200
     finally:
         replica.stop()
     log = replica.log_path.read_text()
@@ -77,8 +77,8 @@ def route_log(tmp_path: Path, *flags: str) -> str:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: "Uvicorn running" in log_path.read_text(), "the router", timeout=60)
-        assert httpx.get(f"{url}/health").status_code == 503
-        assert httpx.get(f"{url}/v1/models").status_code == 503
+        assert loopback.get(f"{url}/health").status_code == 503
+        assert loopback.get(f"{url}/v1/models").status_code == 503
         wait_for(lambda: "/v1/models" in log_path.read_text(), "the access log line", timeout=10)
     finally:
         process.terminate()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import anthropic
 import gguf
-import httpx
 import openai
 import pytest
 
+import loopback
 from engine_fixtures import default_tokenizer, random_state_dict, tiny_config
 from gemma_fixtures import gemma_tokenizer
 from prefixcache.cli import run_command
@@ -219,7 +219,7 @@ def test_server_without_template_serves_completions_and_400s_chat(tmp_path: Path
         headers = {"Authorization": f"Bearer {KEY}", "x-api-key": KEY}
         for name, body in chat_bodies("tiny").items():
             path = {"chat": "chat/completions", "messages": "messages", "responses": "responses"}
-            reply = httpx.post(f"{url}/v1/{path[name]}", content=body, headers=headers)
+            reply = loopback.post(f"{url}/v1/{path[name]}", content=body, headers=headers)
             assert reply.status_code == 400, (name, reply.text)
             error = reply.json()["error"]
             assert "no chat template" in error["message"] and "--chat-template" in error["message"]

@@ -10,6 +10,7 @@ import httpx
 import psutil
 import pytest
 
+import loopback
 from process_fixtures import read_lines, wait_for
 from router_fixtures import write_tiny_hf_model
 from server_fixtures import free_port
@@ -17,7 +18,7 @@ from server_fixtures import free_port
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return loopback.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -37,7 +38,7 @@ def replicas_of(cluster: psutil.Process) -> list[psutil.Process]:
 def early_503s(url: str, seen: list[dict]) -> bool:
     """Healthy yet? Keeps each 503 error the router gave while its replicas loaded."""
     try:
-        response = httpx.get(f"{url}/v1/models", timeout=2)
+        response = loopback.get(f"{url}/v1/models", timeout=2)
     except httpx.HTTPError:
         return False
     if response.status_code == 503:
@@ -47,7 +48,7 @@ def early_503s(url: str, seen: list[dict]) -> bool:
 
 def ask(url: str) -> httpx.Response:
     body = {"model": "tiny-hf", "prompt": "The ferry leaves at noon from pier four. " * 8}
-    return httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+    return loopback.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.server.app import create_app, graceful_server
@@ -87,7 +88,7 @@ def test_shutdown_lets_short_requests_finish_then_aborts_the_rest_and_exits():
     def call(name: str, max_tokens: int) -> None:
         body = {"model": "tiny", "prompt": name, "max_tokens": max_tokens, "ignore_eos": True}
         try:
-            results[name] = httpx.post(url, json=body, timeout=30).status_code
+            results[name] = loopback.post(url, json=body, timeout=30).status_code
         except httpx.HTTPError as error:
             results[name] = type(error).__name__
 
@@ -106,7 +107,7 @@ def test_shutdown_lets_short_requests_finish_then_aborts_the_rest_and_exits():
     assert results["short"] == 200  # finished inside the grace period
     assert results["long"] == 503  # aborted when the grace period ran out, and told so
     with pytest.raises(httpx.HTTPError):
-        httpx.post(url, json={"model": "tiny", "prompt": "late"}, timeout=2)
+        loopback.post(url, json={"model": "tiny", "prompt": "late"}, timeout=2)
     assert_pool_clean(engine)
 
 
@@ -114,6 +115,6 @@ def test_a_draining_server_refuses_new_requests_with_503():
     engine = tiny_engine()
     with running_server(engine, Tenants(None)) as (url, state):
         state.draining = True
-        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        refused = loopback.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
         state.draining = False
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]

@@ -6,10 +6,10 @@ import threading
 import time
 from dataclasses import FrozenInstanceError
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import loopback
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.sampling import SamplingParams
@@ -127,7 +127,7 @@ def test_per_owner_usage_is_counted_in_every_snapshot():
 
 def _complete(url: str, prompt: list[int]) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0}
-    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    reply = loopback.post(f"{url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -140,11 +140,11 @@ def test_metrics_are_current_when_the_response_arrives():
         for name, value in live.items():
             setattr(engine, name, EngineThreadOnly(value, strangers))
         try:
-            before = samples(httpx.get(f"{url}/metrics").text)
+            before = samples(loopback.get(f"{url}/metrics").text)
             _complete(url, PROMPT)
-            after = samples(httpx.get(f"{url}/metrics").text)  # no wait: published already
+            after = samples(loopback.get(f"{url}/metrics").text)  # no wait: published already
             _complete(url, PROMPT)
-            again = samples(httpx.get(f"{url}/metrics").text)
+            again = samples(loopback.get(f"{url}/metrics").text)
             wait_idle(state)
         finally:
             for name, value in live.items():
@@ -170,7 +170,9 @@ def test_an_idle_engine_republishes_its_tier_numbers(tmp_path):
         written = engine.tier.client.stats.writes  # by the tier's writer thread, after the step
         assert written > 0
         deadline = time.monotonic() + 10
-        while samples(httpx.get(f"{url}/metrics").text)["prefixcache_tier_writes_total"] < written:
+        while (
+            samples(loopback.get(f"{url}/metrics").text)["prefixcache_tier_writes_total"] < written
+        ):
             assert time.monotonic() < deadline, "the idle engine never republished"
             time.sleep(0.1)
     engine.close()

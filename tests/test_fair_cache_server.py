@@ -8,6 +8,7 @@ import random
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.cli import build_parser
 from prefixcache.engine.sampling import SamplingParams
@@ -49,7 +50,7 @@ def complete(client: httpx.Client, tenant: str, prompt: list[int]) -> int:
 def flood_scenario(url: str) -> int:
     """A caches SYSTEM; B sends unique prompts totalling 10x the pool; A's next hit."""
     rng = random.Random(6)
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with loopback.Client(base_url=url, timeout=60) as client:
         complete(client, "A", SYSTEM + [11, 12, 13, 14])
         for _ in range(10 * POOL * BLOCK // 100):
             complete(client, "B", [rng.randrange(1000, 40000) for _ in range(100)])

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
+import loopback
 from engine_fixtures import assert_pool_clean, run_to_completion
 from gemma_fixtures import gemma_file
 from hf_fixtures import transformers_gguf_once
@@ -96,7 +96,7 @@ def _reference_logprobs(reference: torch.nn.Module, ids: list[int]) -> torch.Ten
 
 def test_prompt_logprobs_match_transformers_through_the_server(served, reference, text_ids):
     body = {"model": "gemma-3-270m", "prompt": text_ids, "max_tokens": 1, "echo": True}
-    response = httpx.post(f"{served}/v1/completions", json={**body, "logprobs": 1}, timeout=300)
+    response = loopback.post(f"{served}/v1/completions", json={**body, "logprobs": 1}, timeout=300)
     assert response.status_code == 200, response.text
     served_logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"]
     ours = torch.tensor(served_logprobs[1 : len(text_ids)], dtype=torch.float64)
@@ -154,7 +154,7 @@ def test_base_model_serves_completions_and_refuses_chat_naming_the_flag(served: 
     """The file has no chat template (a base model): completions work; each chat API answers
     400 in its own shape, naming --chat-template FILE."""
     body = {"model": "gemma-3-270m", "prompt": "The capital of France is", "max_tokens": 3}
-    assert httpx.post(f"{served}/v1/completions", json=body, timeout=120).status_code == 200
+    assert loopback.post(f"{served}/v1/completions", json=body, timeout=120).status_code == 200
     hi = [{"role": "user", "content": "hi"}]
     chats = {
         "chat/completions": {"model": "gemma-3-270m", "messages": hi},
@@ -162,7 +162,7 @@ def test_base_model_serves_completions_and_refuses_chat_naming_the_flag(served: 
         "responses": {"model": "gemma-3-270m", "input": "hi"},
     }
     for path, chat in chats.items():
-        reply = httpx.post(f"{served}/v1/{path}", json=chat, timeout=120)
+        reply = loopback.post(f"{served}/v1/{path}", json=chat, timeout=120)
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert "no chat template" in error["message"], path
@@ -211,8 +211,8 @@ def test_hybrid_layout_keeps_windows_only_and_decodes_as_the_full_layout(gemma, 
 
 def test_metrics_give_window_pages_and_bytes_per_cached_token_by_group(served, text_ids):
     body = {"model": "gemma-3-270m", "prompt": text_ids[:650], "max_tokens": 2}
-    assert httpx.post(f"{served}/v1/completions", json=body, timeout=300).status_code == 200
-    text = httpx.get(f"{served}/metrics", timeout=30).text
+    assert loopback.post(f"{served}/v1/completions", json=body, timeout=300).status_code == 200
+    text = loopback.get(f"{served}/metrics", timeout=30).text
     values = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in text.splitlines()

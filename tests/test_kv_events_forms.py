@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import zmq
 
+import loopback
 from event_fixtures import digest, publishers, wait_for
 from prefixcache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from prefixcache.cli import build_parser
@@ -289,7 +290,6 @@ def test_the_cluster_passes_format_and_topic_to_every_replica(tmp_path) -> None:
 
 def test_a_real_server_publishes_the_map_form_under_its_topic_with_tier_media(tmp_path) -> None:
     """The README's map-form command (tiny model, a disk tier): pool and tier stores arrive."""
-    import httpx
 
     from router_fixtures import ReplicaProcess, write_tiny_hf_model
 
@@ -306,7 +306,7 @@ def test_a_real_server_publishes_the_map_form_under_its_topic_with_tier_media(tm
         for attempt in range(40):  # until the reader has its batches (a SUB joins late)
             words = " ".join(f"w{attempt}x{i}" for i in range(24))
             body = {"model": "tiny", "messages": [{"role": "user", "content": words}]}
-            response = httpx.post(
+            response = loopback.post(
                 f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30
             )
             assert response.status_code == 200, response.text

@@ -11,10 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import zmq
 
+import loopback
 from event_fixtures import answers, dealer, rss_bytes
 from prefixcache.cache.events import BlockStored
 from prefixcache.protocol.kv_events import END_SEQ, decode_batch, request_replay
@@ -41,7 +41,7 @@ def replay_endpoint(replica: ReplicaProcess) -> str:
 
 def chat(replica: ReplicaProcess, prompt: str) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
-    response = httpx.post(f"{replica.url}/v1/chat/completions", json=body, timeout=30)
+    response = loopback.post(f"{replica.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
 
 
@@ -67,7 +67,7 @@ def publishes_new_prompts(replica: ReplicaProcess, name: str, timeout_s: float =
 
 
 def events_health(replica: ReplicaProcess) -> dict:
-    response = httpx.get(f"{replica.url}/health", timeout=5)
+    response = loopback.get(f"{replica.url}/health", timeout=5)
     assert response.status_code == 200
     return response.json()["kv_events"]
 

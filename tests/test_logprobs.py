@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 
-import httpx
 import openai
 import pytest
 import torch
 
+import loopback
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.protocol.auth import Tenants
@@ -98,7 +98,7 @@ def test_chat_logprobs_and_top_logprobs_parse_in_the_openai_client(served):
 
 
 def _complete(url: str, **body) -> dict:
-    response = httpx.post(url + "/v1/completions", json={"model": "tiny", **body}, timeout=60)
+    response = loopback.post(url + "/v1/completions", json={"model": "tiny", **body}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -131,7 +131,7 @@ def test_completion_logprobs_stream_like_the_whole_response(served):
     body = {"prompt": "One two", "max_tokens": 6, "logprobs": 2, "temperature": 0}
     whole = _complete(url, **body, ignore_eos=True)["choices"][0]["logprobs"]
     parts = {"tokens": [], "token_logprobs": [], "text_offset": []}
-    with httpx.stream(
+    with loopback.stream(
         "POST", url + "/v1/completions",
         json={"model": "tiny", **body, "ignore_eos": True, "stream": True}, timeout=60,
     ) as response:  # fmt: skip
@@ -146,12 +146,12 @@ def test_completion_logprobs_stream_like_the_whole_response(served):
 
 def test_logprob_limits_are_named(served):
     url, _ = served
-    response = httpx.post(
+    response = loopback.post(
         url + "/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 21}
     )
     assert response.status_code == 400 and "logprobs" in response.json()["error"]["message"]
     assert "20" in response.json()["error"]["message"]
-    chat = httpx.post(
+    chat = loopback.post(
         url + "/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
     )

@@ -10,10 +10,10 @@ import time
 from dataclasses import replace
 
 import anthropic
-import httpx
 import openai
 import pytest
 
+import loopback
 from clock_fixtures import FakeClock
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.cache.retention import Keep
@@ -183,7 +183,7 @@ def test_streaming_events_arrive_in_order_and_the_sdk_reassembles_the_text(keys)
             "model": "tiny", "max_tokens": 6, "temperature": 0, "stream": True,
             "system": marked_system(), "messages": [{"role": "user", "content": "Hello"}],
         }  # fmt: skip
-        with httpx.stream(
+        with loopback.stream(
             "POST", f"{url}/v1/messages", json=body, headers={"x-api-key": ALPHA}
         ) as r:
             assert r.status_code == 200
@@ -245,16 +245,16 @@ def test_x_api_key_works_and_a_bad_key_gets_anthropics_authentication_error(keys
             "type": "error",
             "error": {"type": "authentication_error", "message": "invalid API key"},
         }
-        bearer = httpx.post(
+        bearer = loopback.post(
             f"{url}/v1/messages",
             json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
             headers={"authorization": f"Bearer {ALPHA}", "anthropic-version": "2023-06-01"},
         )
         assert bearer.status_code == 200 and bearer.json()["type"] == "message"
-        missing = httpx.post(f"{url}/v1/messages", json={})
+        missing = loopback.post(f"{url}/v1/messages", json={})
         assert missing.status_code == 401
         assert missing.json()["error"]["type"] == "authentication_error"
-        too_big = httpx.post(
+        too_big = loopback.post(
             f"{url}/v1/messages", content=b"x" * 5000, headers={"x-api-key": ALPHA}
         )
         assert too_big.status_code == 413 and too_big.json()["type"] == "error"
@@ -310,7 +310,7 @@ def test_every_bad_request_is_a_400_naming_its_field(plain_server, change, field
     body.update(change)
     if change.get("max_tokens", 1) is None:
         del body["max_tokens"]
-    reply = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": "k"})
+    reply = loopback.post(f"{url}/v1/messages", json=body, headers={"x-api-key": "k"})
     assert reply.status_code == 400, reply.text
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
@@ -389,7 +389,7 @@ def test_the_fronts_429_past_a_tenants_share_is_anthropics_rate_limit_error(keys
         body = {"model": "tiny", "max_tokens": 200, "stream": True,
                 "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
         try:
-            with httpx.stream(
+            with loopback.stream(
                 "POST", f"{url}/v1/messages", json=body, headers={"x-api-key": BETA}
             ) as held:
                 lines = held.iter_lines()  # kept: closing it would close the stream
@@ -413,7 +413,7 @@ def test_openai_cache_fields_on_a_messages_body_are_ignored_extras(plain_server)
         "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
         "prompt_cache_retention": "forever", "prompt_cache_key": 7,
     }  # fmt: skip
-    reply = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": "k"})
+    reply = loopback.post(f"{url}/v1/messages", json=body, headers={"x-api-key": "k"})
     assert reply.status_code == 200, reply.text
     wait_idle(state)
     assert_pool_clean(state.engine)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import pytest
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.anthropic_schemas import AnthropicTool
 from prefixcache.protocol.auth import Tenants
@@ -142,7 +142,7 @@ def test_a_named_choice_calls_that_tool(served):
 
 def test_a_second_turn_reads_the_first_prompt_from_cache(served):
     url, state = served
-    block = httpx.get(url + "/health").json()["block_size"]
+    block = loopback.get(url + "/health").json()["block_size"]
     first = client(url).messages.create(
         model="tiny", max_tokens=60, system=SYSTEM, tools=[TOOL], messages=[ASK],
         tool_choice={"type": "any"}, extra_body={"temperature": 0.0},
@@ -164,10 +164,10 @@ def test_a_second_turn_reads_the_first_prompt_from_cache(served):
 
 def test_chat_then_messages_reads_the_chat_prompt_from_cache(served):
     url, state = served
-    block = httpx.get(url + "/health").json()["block_size"]
-    chat = httpx.post(url + "/v1/chat/completions", json={**chat_body(), "max_tokens": 1})
+    block = loopback.get(url + "/health").json()["block_size"]
+    chat = loopback.post(url + "/v1/chat/completions", json={**chat_body(), "max_tokens": 1})
     prompt = chat.json()["usage"]["prompt_tokens"]
-    reply = httpx.post(url + "/v1/messages", json={**anthropic_body(), "max_tokens": 1})
+    reply = loopback.post(url + "/v1/messages", json={**anthropic_body(), "max_tokens": 1})
     usage = reply.json()["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
     assert usage["cache_read_input_tokens"] >= (prompt // block) * block - block
@@ -208,7 +208,7 @@ BAD = [
 def test_bad_tool_fields_are_400s_naming_the_field(served, change, field):
     url, state = served
     body = {"model": "tiny", "max_tokens": 2, "messages": [ASK], "tools": [TOOL], **change}
-    reply = httpx.post(f"{url}/v1/messages", json=body, timeout=30)
+    reply = loopback.post(f"{url}/v1/messages", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error"

@@ -5,9 +5,9 @@ a streamed call, a cached tool_use → tool_result loop."""
 from __future__ import annotations
 
 import anthropic
-import httpx
 import pytest
 
+import loopback
 from engine_fixtures import default_engine
 from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
@@ -40,7 +40,7 @@ ONE = {"type": "any", "disable_parallel_tool_use": True}
 @pytest.fixture(scope="module")
 def served():
     with running_server(default_engine(), Tenants(None), model_name=MODEL) as (url, state):
-        block = httpx.get(url + "/health").json()["block_size"]
+        block = loopback.get(url + "/health").json()["block_size"]
         yield anthropic.Anthropic(base_url=url, api_key="none", max_retries=0), block
         wait_idle(state)
 

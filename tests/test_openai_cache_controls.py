@@ -8,11 +8,11 @@ import json
 import logging
 import time
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import loopback
 from clock_fixtures import FakeClock
 from engine_fixtures import default_engine, tiny_engine
 from prefixcache.cache.retention import DEFAULT_SHARE, Keep
@@ -75,7 +75,7 @@ def flood(url: str) -> None:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """One sample of /metrics (admin key), 0.0 when absent."""
-    text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}).text
+    text = loopback.get(url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
@@ -127,7 +127,7 @@ def test_bad_cache_controls_are_400s_naming_the_field(served, path, field, value
     body = {"model": "tiny", "max_tokens": 2, field: value}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {})
     body.update({} if "chat" in path else {"prompt": "hi"})
-    reply = httpx.post(url + path, json=body, headers={"Authorization": "Bearer sk-alpha"})
+    reply = loopback.post(url + path, json=body, headers={"Authorization": "Bearer sk-alpha"})
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert field in error["message"] and named in error["message"]

@@ -8,6 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
@@ -23,7 +24,7 @@ def served():
 
 
 def _post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json={"model": "tiny", **body}, timeout=60)
+    return loopback.post(url + path, json={"model": "tiny", **body}, timeout=60)
 
 
 def test_null_means_default(served):
@@ -94,18 +95,18 @@ def test_batched_prompts_fan_out_into_choices_that_share_their_prefix(served):
 
 def test_models_routes_head_and_openai_shaped_404_405(served):
     url, _ = served
-    assert httpx.get(url + "/v1/models/tiny").json() == {
+    assert loopback.get(url + "/v1/models/tiny").json() == {
         "id": "tiny", "object": "model", "created": 0, "owned_by": "prefixcache"
     }  # fmt: skip
-    missing = httpx.get(url + "/v1/models/other")
+    missing = loopback.get(url + "/v1/models/other")
     assert missing.status_code == 404 and "model 'other' does not exist" in missing.text
     for path in ("/health", "/metrics", "/v1/models", "/v1/models/tiny"):
         head = httpx.head(url + path)
         assert head.status_code == 200 and head.content == b"", path
-    nowhere = httpx.get(url + "/v1/nowhere")
+    nowhere = loopback.get(url + "/v1/nowhere")
     assert nowhere.status_code == 404
     assert nowhere.json()["error"]["type"] == "not_found_error"
-    wrong = httpx.get(url + "/v1/chat/completions")
+    wrong = loopback.get(url + "/v1/chat/completions")
     assert (
         wrong.status_code == 405 and "method GET is not allowed" in wrong.json()["error"]["message"]
     )
@@ -152,7 +153,7 @@ def test_validation_messages_name_the_field_never_a_union_branch(served, path, b
 def test_streams_carry_no_buffering_headers(served):
     url, _ = served
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body) as response:
+    with loopback.stream("POST", url + "/v1/completions", json=body) as response:
         response.read()
     assert response.headers["cache-control"] == "no-cache"
     assert response.headers["x-accel-buffering"] == "no"
@@ -163,7 +164,9 @@ def test_vllm_metric_names_beside_ours(served):
     url, state = served
     _post(url, "/v1/completions", {"prompt": "metrics " * 10, "max_tokens": 3})
     wait_idle(state)
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    families = {
+        f.name: f for f in text_string_to_metric_families(loopback.get(url + "/metrics").text)
+    }
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:time_to_first_token_seconds",

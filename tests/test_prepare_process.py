@@ -19,6 +19,7 @@ import anyio
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import assert_pool_clean, default_tokenizer, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ApiError
@@ -55,7 +56,7 @@ def _clean(served):
 
 
 def post(url: str, path: str, content: bytes) -> httpx.Response:
-    return httpx.post(url + path, content=content, headers=JSON, timeout=60)
+    return loopback.post(url + path, content=content, headers=JSON, timeout=60)
 
 
 def test_a_large_body_is_answered_from_a_lower_priority_worker_process(served):

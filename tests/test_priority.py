@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import default_engine, run_to_completion, tiny_engine
 from prefixcache import KVCacheManager
 from prefixcache.engine.config import DEFAULT_STEP_TARGET_MS
@@ -95,7 +96,7 @@ ROUTES = {
 
 def post(url: str, path: str, key: str, **fields) -> httpx.Response:
     body = {"model": "tiny", **ROUTES[path], **fields}
-    return httpx.post(url + path, json=body, headers={"authorization": f"Bearer {key}"})
+    return loopback.post(url + path, json=body, headers={"authorization": f"Bearer {key}"})
 
 
 @pytest.mark.parametrize("path", list(ROUTES))
@@ -126,7 +127,7 @@ def test_a_tenants_file_with_a_bad_priority_is_refused(tmp_path):
 def test_metrics_show_step_times_against_the_target_and_pauses(served):
     url, _ = served
     assert post(url, "/v1/completions", "sk-open").status_code == 200
-    text = httpx.get(url + "/metrics", headers={"authorization": "Bearer sk-open"}).text  # admin
+    text = loopback.get(url + "/metrics", headers={"authorization": "Bearer sk-open"}).text  # admin
     samples = dict(
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
     )

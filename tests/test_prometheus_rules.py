@@ -27,6 +27,7 @@ import pytest
 import yaml
 import zmq
 
+import loopback
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.tenant_secret import load_or_create_secret
@@ -220,7 +221,7 @@ def wait_for_targets(prometheus: PrometheusProcess, count: int) -> None:
 def shared_load(router: str) -> None:
     """Two tenants behind the router on one system prompt (hits), a prompt_cache_key twice
     (affinity) and a 24h retention."""
-    with httpx.Client(base_url=router, timeout=60) as client:
+    with loopback.Client(base_url=router, timeout=60) as client:
         for i in range(12):
             for headers in (ALPHA, BETA):
                 chat(client, headers, f"Which pier for trip {i}?")
@@ -260,7 +261,7 @@ class Flood:
 
     def run(self, worker: int) -> None:
         rng = random.Random(worker)
-        with httpx.Client(base_url=self.url, headers=ALPHA, timeout=60) as client:
+        with loopback.Client(base_url=self.url, headers=ALPHA, timeout=60) as client:
             while not self.stop.is_set():
                 prompt = " ".join(f"w{rng.randrange(10**6)}" for _ in range(20))
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": FLOOD_TOKENS,

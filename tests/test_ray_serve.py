@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import loopback
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
 
 import signal
@@ -23,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
@@ -149,7 +150,7 @@ def ask(url: str, question: str, stream: bool = False, tokens: int = 3, document
 
 
 def router_retries(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = loopback.get(f"{url}/metrics", timeout=10).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
@@ -159,7 +160,7 @@ def router_retries(url: str) -> float:
 
 
 def tier_tokens(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = loopback.get(f"{url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if (
@@ -281,7 +282,7 @@ def test_while_no_replica_is_up_the_ingress_answers_503_with_a_reason(deployed):
     # is done, which takes a large process a moment: until then the server still answers.
     _, alive = psutil.wait_procs(servers, timeout=30)
     assert not alive
-    response = httpx.post(
+    response = loopback.post(
         f"{deployed.url}/v1/completions",
         json={"model": MODEL, "prompt": DOCUMENT, "max_tokens": 1},
         timeout=60,
@@ -290,7 +291,7 @@ def test_while_no_replica_is_up_the_ingress_answers_503_with_a_reason(deployed):
     assert "no replica" in response.json()["error"]["message"]
 
     def back() -> bool:
-        health = httpx.get(f"{deployed.url}/health", timeout=5).json()
+        health = loopback.get(f"{deployed.url}/health", timeout=5).json()
         return sum(r["healthy"] for r in health["replicas"]) == 2
 
     wait_for(back, "both replicas to come back")

@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+import loopback
 from engine_fixtures import default_engine, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import MAX_RESPONSE_SCHEMA_BYTES
@@ -35,7 +36,7 @@ def tiny_url():
 
 
 def _post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json={"model": "tiny", **body}, timeout=60)
+    return loopback.post(url + path, json={"model": "tiny", **body}, timeout=60)
 
 
 def _schema_format(schema: object, name: str = "small") -> dict:

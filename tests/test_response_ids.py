@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+import loopback
 from prefixcache.protocol.response_ids import instance_of, is_instance, new_instance, response_id
 from prefixcache.router.forward import error_event
 from prefixcache.router.index import GlobalIndex
@@ -37,7 +37,7 @@ def test_a_replicas_store_issues_ids_of_its_own_instance() -> None:
 
 def fleet_of(instances: dict[str, str | None]) -> Fleet:
     """A fleet whose replicas answered /health with these instance ids (no I/O)."""
-    fleet = Fleet(list(instances), GlobalIndex(), httpx.AsyncClient())
+    fleet = Fleet(list(instances), GlobalIndex(), loopback.AsyncClient())
     for url, instance in instances.items():
         replica = fleet.replicas[url]
         replica.identity = parse_health({**HEALTH, "instance": instance}, url)

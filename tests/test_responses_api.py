@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
+import loopback
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.tool_prompt import Turn
@@ -118,7 +118,7 @@ def test_a_function_call_round_trip_renders_and_answers(served):
 )  # fmt: skip
 def test_bad_bodies_are_400s_naming_the_field(served, body, field):
     url, _ = served
-    reply = httpx.post(
+    reply = loopback.post(
         url + "/v1/responses",
         json={"model": "tiny", **body},
         headers={"authorization": "Bearer sk-alpha"},
@@ -225,12 +225,12 @@ def test_another_tenants_response_is_a_404_like_an_unknown_one(served):
 def test_bad_input_item_queries_are_400s_naming_the_parameter(served, query, param):
     url, _ = served
     made = ask(client(url), input="hello")
-    reply = httpx.get(
+    reply = loopback.get(
         f"{url}/v1/responses/{made.id}/input_items?{query}",
         headers={"authorization": "Bearer sk-alpha"},
     )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
-    streamed = httpx.get(
+    streamed = loopback.get(
         f"{url}/v1/responses/{made.id}?stream=true", headers={"authorization": "Bearer sk-alpha"}
     )
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"

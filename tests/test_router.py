@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+import loopback
 from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.protocol.auth import Tenants
@@ -58,7 +59,7 @@ class Cluster:
 
     def digests(self, body: dict) -> list[bytes]:
         """The block digests of a chat body, as the replicas compute them (tenant alpha)."""
-        health = httpx.get(f"{self.replicas[0].url}/health").json()
+        health = loopback.get(f"{self.replicas[0].url}/health").json()
         tenant = self.tenants.authenticate(AUTH["Authorization"])
         tokens = self.tokenizer.encode_chat(body["messages"])
         root = bytes.fromhex(health["namespace_digest"])
@@ -101,7 +102,7 @@ def sse_events(text: str) -> list[str]:
 def test_a_shared_document_lands_on_one_replica_and_hits_its_cache(cluster: Cluster) -> None:
     with (
         running_router(cluster.config()) as (url, state),
-        httpx.Client(base_url=url, headers=AUTH, timeout=30) as client,
+        loopback.Client(base_url=url, headers=AUTH, timeout=30) as client,
     ):
         placed: dict[str, list[tuple[str, int]]] = {"ant": [], "bee": []}
         for question in ("Who?", "What is it?", "Where is it kept?"):
@@ -152,7 +153,7 @@ def test_the_router_tokenizes_as_the_replica_does(cluster: Cluster) -> None:
 def test_errors_models_health_and_metrics(cluster: Cluster) -> None:
     with (
         running_router(cluster.config()) as (url, _),
-        httpx.Client(base_url=url, headers=AUTH, timeout=30) as client,
+        loopback.Client(base_url=url, headers=AUTH, timeout=30) as client,
     ):
         bad = client.post("/v1/chat/completions", content=b"{not json")
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
@@ -160,7 +161,7 @@ def test_errors_models_health_and_metrics(cluster: Cluster) -> None:
         assert other.status_code == 404 and other.json()["error"]["param"] == "model"
         field = client.post("/v1/chat/completions", json={**chat("cat", "?"), "temperature": 9})
         assert field.status_code == 400 and field.json()["error"]["param"] == "temperature"
-        anonymous = httpx.post(f"{url}/v1/chat/completions", json=chat("cat", "?"))
+        anonymous = loopback.post(f"{url}/v1/chat/completions", json=chat("cat", "?"))
         assert anonymous.status_code == 401 and "API key" in anonymous.json()["error"]["message"]
         models = client.get("/v1/models")
         assert models.json()["data"][0]["id"] == "tiny" and REPLICA_HEADER in models.headers
@@ -186,7 +187,7 @@ def test_errors_models_health_and_metrics(cluster: Cluster) -> None:
 def test_round_robin_splits_a_shared_document(cluster: Cluster) -> None:
     with (
         running_router(cluster.config("round-robin")) as (url, _),
-        httpx.Client(base_url=url, headers=AUTH, timeout=30) as client,
+        loopback.Client(base_url=url, headers=AUTH, timeout=30) as client,
     ):
         replicas = [
             client.post("/v1/chat/completions", json=chat("cow", f"Q{i}?")).headers[REPLICA_HEADER]
@@ -198,7 +199,7 @@ def test_round_robin_splits_a_shared_document(cluster: Cluster) -> None:
 def test_prefix_hash_keeps_a_document_on_one_replica(cluster: Cluster) -> None:
     with (
         running_router(cluster.config("prefix-hash")) as (url, _),
-        httpx.Client(base_url=url, headers=AUTH, timeout=30) as client,
+        loopback.Client(base_url=url, headers=AUTH, timeout=30) as client,
     ):
         for doc in ("yak", "zebu"):
             replicas = {
@@ -213,7 +214,7 @@ def test_prefix_hash_keeps_a_document_on_one_replica(cluster: Cluster) -> None:
 def test_a_client_gone_mid_stream_aborts_the_request_on_the_replica(cluster: Cluster) -> None:
     body = chat("owl", "Go on.", max_tokens=300, ignore_eos=True, stream=True)
     with running_router(cluster.config()) as (url, state):
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH) as r:
+        with loopback.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH) as r:
             replica = next(p for p in cluster.replicas if p.url == r.headers[REPLICA_HEADER])
             next(r.iter_raw())  # the stream started; now the client goes away
         wait_until(lambda: "status=disconnected" in replica.log_tail(200), what="the abort")
@@ -223,7 +224,7 @@ def test_a_client_gone_mid_stream_aborts_the_request_on_the_replica(cluster: Clu
 def test_events_missed_while_the_router_was_down_are_replayed(cluster: Cluster) -> None:
     target = cluster.replicas[1]  # not where a tie would send it (ties start at replica 0)
     body = chat("dog", "Why?")
-    direct = httpx.post(f"{target.url}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    direct = loopback.post(f"{target.url}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
     assert direct.status_code == 200  # no router is running: only replay can tell it this
     with running_router(cluster.config()) as (url, state):
         feed = state.fleet.replicas[target.url].feed
@@ -233,7 +234,9 @@ def test_events_missed_while_the_router_was_down_are_replayed(cluster: Cluster) 
         # the other replica shares only the chat template's first block ("<|im_start|>system...")
         assert state.index.overlap(cluster.replicas[0].url, digests).pool_blocks <= 1
         follow_up = chat("dog", "And how?")
-        routed = httpx.post(f"{url}/v1/chat/completions", json=follow_up, headers=AUTH, timeout=30)
+        routed = loopback.post(
+            f"{url}/v1/chat/completions", json=follow_up, headers=AUTH, timeout=30
+        )
         assert routed.headers[REPLICA_HEADER] == target.url
         shared = set(digests) & set(cluster.digests(follow_up))
         assert cached_tokens(routed) == 4 * len(shared) > 0  # the document's blocks, reused
@@ -243,7 +246,7 @@ class Load:
     """Concurrent requests through the router, each result kept with its replica."""
 
     def __init__(self, url: str) -> None:
-        self.client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
+        self.client = loopback.Client(base_url=url, headers=AUTH, timeout=60)
         self.pool = ThreadPoolExecutor(16)
         self.started: dict[int, tuple[str, str]] = {}  # stream -> (replica, response id)
         self.running: set[int] = set()  # streams the client is still reading
@@ -280,7 +283,8 @@ class Load:
         with self.lock:
             ids = [self.started[n][1] for n in self.running if self.started[n][0] == replica]
         return any(
-            httpx.get(f"{replica}/admin/requests/{i}", headers=AUTH).status_code == 404 for i in ids
+            loopback.get(f"{replica}/admin/requests/{i}", headers=AUTH).status_code == 404
+            for i in ids
         )
 
     def close(self) -> None:
@@ -291,7 +295,7 @@ class Load:
 def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
     survivor, victim = cluster.replicas
     warm = chat("elk", "Before?")
-    assert httpx.post(f"{victim.url}/v1/chat/completions", json=warm, headers=AUTH).is_success
+    assert loopback.post(f"{victim.url}/v1/chat/completions", json=warm, headers=AUTH).is_success
     old = cluster.digests(warm)
     with (
         running_router(cluster.config()) as (url, state),
@@ -341,7 +345,9 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
         assert state.fleet.replicas[victim.url].feed.topic == epoch.encode()
         assert all(victim.url not in state.index.holders(d) for d in old)
         fresh = chat("ibis", "After?")
-        assert httpx.post(f"{victim.url}/v1/chat/completions", json=fresh, headers=AUTH).is_success
+        assert loopback.post(
+            f"{victim.url}/v1/chat/completions", json=fresh, headers=AUTH
+        ).is_success
         new = cluster.digests(fresh)
         # The whole new chain: its first block is the template's, shared with the stale "elk"
         # entries, so "any overlap" would hold before the watcher saw the new epoch at all.
@@ -350,7 +356,7 @@ def test_sigkill_under_load_then_restart(cluster: Cluster) -> None:
         )
         stale = [d for d in old if d not in new]  # "elk" blocks; the template's first is shared
         assert stale and all(victim.url not in watcher.index.holders(d) for d in stale)
-        again = httpx.post(
+        again = loopback.post(
             f"{url}/v1/chat/completions", json=chat("ibis", "Again?"), headers=AUTH, timeout=30
         )
         assert again.headers[REPLICA_HEADER] == victim.url and cached_tokens(again) > 0

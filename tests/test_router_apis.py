@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import loopback
 from prefixcache.engine.model_files import load_tokenizer
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import Limits
@@ -71,7 +72,7 @@ def document(name: str, words: int = 30) -> str:
 
 def instances(cluster: Cluster) -> dict[str, str]:
     """Each replica's instance id (from its /health) -> its URL."""
-    return {httpx.get(f"{r.url}/health").json()["instance"]: r.url for r in cluster.replicas}
+    return {loopback.get(f"{r.url}/health").json()["instance"]: r.url for r in cluster.replicas}
 
 
 def test_the_anthropic_sdk_through_the_router(cluster: Cluster) -> None:
@@ -95,7 +96,7 @@ def test_the_routers_own_errors_on_messages_are_anthropics(cluster: Cluster) -> 
         [nobody], make_policy("cache-aware"), cluster.tenants, cluster.tokenizer,
         limits=Limits(max_body_bytes=2048),
     )  # fmt: skip
-    with running_router(config) as (url, _), httpx.Client(base_url=url, headers=AUTH) as client:
+    with running_router(config) as (url, _), loopback.Client(base_url=url, headers=AUTH) as client:
         body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         down = client.post("/v1/messages", json=body)
         assert down.status_code == 503
@@ -115,7 +116,7 @@ def test_the_routers_own_errors_on_messages_are_anthropics(cluster: Cluster) -> 
                              ("GET", "/v1/responses/resp_x/input_items")):  # fmt: skip
             down = client.request(method, path, json={"prompt": "hi"})
             assert down.status_code == 503 and set(down.json()) == {"error"}, (method, path)
-        assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
+        assert loopback.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
 
 
 def test_a_repeated_message_goes_to_the_replica_holding_its_prefix(cluster: Cluster) -> None:
@@ -169,7 +170,7 @@ def test_the_messages_view_is_the_chat_templates_tokens(cluster: Cluster) -> Non
 def test_a_repeated_chat_with_tools_goes_to_the_replica_holding_it(cluster: Cluster) -> None:
     with (
         running_router(cluster.config()) as (url, _),
-        httpx.Client(base_url=url, headers=AUTH, timeout=60) as client,
+        loopback.Client(base_url=url, headers=AUTH, timeout=60) as client,
     ):
         for doc in ("owl", "elk"):
             messages = [
@@ -228,7 +229,7 @@ def test_previous_response_id_goes_to_the_replica_that_stored_it(cluster: Cluste
 def test_prompt_cache_key_on_responses_keeps_a_tenant_on_one_replica(cluster: Cluster) -> None:
     with (
         running_router(cluster.config()) as (url, state),
-        httpx.Client(base_url=url, headers=AUTH, timeout=60) as client,
+        loopback.Client(base_url=url, headers=AUTH, timeout=60) as client,
     ):
         seen = set()
         for i in range(4):
@@ -244,7 +245,7 @@ def test_prompt_cache_key_on_responses_keeps_a_tenant_on_one_replica(cluster: Cl
 def test_token_counts_and_ids_through_the_router(cluster: Cluster) -> None:
     with (
         running_router(cluster.config()) as (url, _),
-        httpx.Client(base_url=url, headers=AUTH, timeout=60) as http,
+        loopback.Client(base_url=url, headers=AUTH, timeout=60) as http,
     ):
         claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
         tool = {"name": "lookup", "input_schema": {"type": "object"}}
@@ -310,7 +311,7 @@ def test_the_router_forwards_priority_on_every_route(cluster: Cluster) -> None:
     with running_router(cluster.config()) as (url, _):
         for path, body in bodies.items():
             body = {"model": "tiny", **body}
-            ok = httpx.post(url + path, json={**body, "priority": -3}, headers=AUTH)
+            ok = loopback.post(url + path, json={**body, "priority": -3}, headers=AUTH)
             assert ok.status_code == 200, path
-            refused = httpx.post(url + path, json={**body, "priority": 5000}, headers=AUTH)
+            refused = loopback.post(url + path, json={**body, "priority": 5000}, headers=AUTH)
             assert refused.status_code == 400 and "priority" in refused.text, path  # replica's

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+import loopback
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.errors import ERROR_TYPES
 from prefixcache.router.app import RouterConfig, RouterState
@@ -89,7 +89,7 @@ def test_a_stream_passes_through_byte_for_byte() -> None:
     body = {**BODY, "stream": True}
     with (
         router_over(FakeReplica()) as (url, replicas, _),
-        httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r,
+        loopback.stream("POST", f"{url}/v1/chat/completions", json=body) as r,
     ):
         received = b"".join(r.iter_raw())
         assert r.headers[REPLICA_HEADER] == replicas[0]
@@ -100,13 +100,13 @@ def test_a_429_is_retried_once_on_another_replica() -> None:
     busy, idle = FakeReplica(status=429), FakeReplica()
     with router_over(busy, idle) as (url, replicas, state):
         for _ in range(2):  # turn 0 is the busy one (then the retry), turn 1 the idle one
-            response = httpx.post(f"{url}/v1/chat/completions", json=BODY)
+            response = loopback.post(f"{url}/v1/chat/completions", json=BODY)
             assert response.status_code == 200 and response.headers[REPLICA_HEADER] == replicas[1]
         assert metric_total(state, "prefixcache_router_retries_total") == 1
         assert len(busy.seen_authorization) == 1 and len(idle.seen_authorization) == 2
         busy_only = FakeReplica(status=429)
     with router_over(busy_only) as (url, replicas, _):
-        response = httpx.post(f"{url}/v1/chat/completions", json=BODY)
+        response = loopback.post(f"{url}/v1/chat/completions", json=BODY)
         assert response.status_code == 429 and response.headers[REPLICA_HEADER] == replicas[0]
 
 
@@ -114,13 +114,13 @@ def test_no_healthy_replica_is_a_503_error_object() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     config = RouterConfig([dead], make_policy("round-robin"))
     with running_router(config) as (url, _):
-        response = httpx.post(f"{url}/v1/chat/completions", json=BODY)
+        response = loopback.post(f"{url}/v1/chat/completions", json=BODY)
         assert response.status_code == 503
         error = response.json()["error"]
         reason = "no replica is ready yet (0 of 1 healthy; replicas are loading the model)"
         assert error["message"] == reason and dead not in error["message"]
         assert error["type"] == ERROR_TYPES.get(503, "server_error")  # as a replica says it
-        health = httpx.get(f"{url}/health")
+        health = loopback.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["replicas"][0]["healthy"] is False
         assert health.json()["detail"] == reason
 
@@ -146,7 +146,7 @@ def test_a_replica_with_another_namespace_is_refused(caplog: pytest.LogCaptureFi
     with router_over(FakeReplica(), FakeReplica(namespace="cd" * 32)) as (url, replicas, state):
         assert [r.healthy for r in state.fleet.replicas.values()] == [True, False]
         served = {
-            httpx.post(f"{url}/v1/chat/completions", json=BODY).headers[REPLICA_HEADER]
+            loopback.post(f"{url}/v1/chat/completions", json=BODY).headers[REPLICA_HEADER]
             for _ in range(3)
         }
         assert served == {replicas[0]}
@@ -158,10 +158,10 @@ def test_keys_are_checked_and_the_authorization_header_passes_unchanged(tmp_path
     fake = FakeReplica()
     tenants = Tenants.from_file(write_key_file(tmp_path))
     with router_over(fake, tenants=tenants) as (url, _, _):
-        ok = httpx.post(
+        ok = loopback.post(
             f"{url}/v1/chat/completions", json=BODY, headers={"Authorization": "Bearer sk-beta"}
         )
-        bad = httpx.post(
+        bad = loopback.post(
             f"{url}/v1/chat/completions", json=BODY, headers={"Authorization": "Bearer sk-nope"}
         )
     assert ok.status_code == 200 and fake.seen_authorization == ["Bearer sk-beta"]

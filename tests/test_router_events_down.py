@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.router.app import RouterConfig, RouterState
@@ -43,7 +44,7 @@ class Cluster:
     digests: list[bytes]  # MESSAGES' block digests, as both replicas compute them
 
     def post(self) -> httpx.Response:
-        response = httpx.post(f"{self.router_url}/v1/chat/completions", json=BODY, timeout=30)
+        response = loopback.post(f"{self.router_url}/v1/chat/completions", json=BODY, timeout=30)
         assert response.status_code == 200, response.text
         return response
 
@@ -79,7 +80,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def events_of(url: str) -> tuple[int, dict]:
-    response = httpx.get(f"{url}/health", timeout=5)
+    response = loopback.get(f"{url}/health", timeout=5)
     return response.status_code, response.json()["kv_events"]
 
 

@@ -19,6 +19,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+import loopback
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.router.app import RouterConfig
@@ -76,7 +77,7 @@ def router(replica, keys, tmp_path_factory):
 
 def post(url: str, path: str, body: bytes, headers: dict | None = None) -> httpx.Response:
     headers = {"content-type": "application/json", **(headers or {})}
-    return httpx.post(url + path, content=body, headers=headers, timeout=60)
+    return loopback.post(url + path, content=body, headers=headers, timeout=60)
 
 
 def health_seconds(url: str, http: httpx.Client | None = None) -> float:
@@ -160,7 +161,7 @@ def test_a_4_mb_prompt_does_not_stall_health(replica, keys, tmp_path):
     )
     probes: list[float] = []
     try:
-        with httpx.Client() as http:
+        with loopback.Client() as http:
             caller.start()
             while caller.is_alive():
                 probes.append(health_seconds(router.url, http))
@@ -197,7 +198,7 @@ def test_slow_heads_and_bodies_get_a_408_at_the_deadline(router):
 
 
 def aborted_reads(router: RouterProcess) -> float:
-    text = httpx.get(f"{router.url}/metrics", headers=ADMIN, timeout=10).text
+    text = loopback.get(f"{router.url}/metrics", headers=ADMIN, timeout=10).text
     line = next(x for x in text.splitlines() if x.startswith("prefixcache_router_aborted_reads"))
     return float(line.split()[-1])
 
@@ -219,13 +220,13 @@ def test_aborted_reads_are_counted_and_logged_once_without_a_traceback(router):
 
 @pytest.mark.parametrize("path", SCHEMA)
 def test_schema_and_metrics_need_the_admin_key_health_none(router, path):
-    anonymous = httpx.get(router.url + path)
+    anonymous = loopback.get(router.url + path)
     assert anonymous.status_code == 401
     assert anonymous.json()["error"]["type"] == "authentication_error"
-    refused = httpx.get(router.url + path, headers=BETA)
+    refused = loopback.get(router.url + path, headers=BETA)
     assert refused.status_code == 403 and "needs an admin key" in refused.text
-    assert httpx.get(router.url + path, headers=ADMIN).status_code == 200
-    assert httpx.get(router.url + "/health").status_code == 200
+    assert loopback.get(router.url + path, headers=ADMIN).status_code == 200
+    assert loopback.get(router.url + "/health").status_code == 200
     assert httpx.head(router.url + "/health").status_code == 200
 
 
@@ -265,7 +266,7 @@ def test_no_error_a_client_reads_names_a_replica_url(caplog) -> None:
     urls = [fakes.enter_context(serving(FakeReplica().app())) for _ in range(2)]
     urls.append(fakes.enter_context(serving(breaking_replica())))
     config = RouterConfig(urls, make_policy("round-robin"), health_interval_s=60)
-    with running_router(config) as (url, state), httpx.Client(base_url=url, timeout=30) as http:
+    with running_router(config) as (url, state), loopback.Client(base_url=url, timeout=30) as http:
         streamed = [http.post(TEXT, json={"prompt": "x", "stream": True}) for _ in urls]
         broken = next(r for r in streamed if r.headers[REPLICA_HEADER] == urls[2])
         assert "the replica failed mid-stream" in broken.text and broken.text.endswith(
@@ -305,12 +306,12 @@ def test_past_max_pending_the_router_says_429_with_retry_after() -> None:
     with serving(slow_replica()) as replica:
         config = RouterConfig([replica], make_policy("round-robin"), max_pending=1)
         with running_router(config) as (url, state):
-            held = threading.Thread(target=lambda: httpx.post(url + CHAT, json=BODY, timeout=30))
+            held = threading.Thread(target=lambda: loopback.post(url + CHAT, json=BODY, timeout=30))
             held.start()
             wait_until(lambda: state.in_flight.total == 1, what="the first request in flight")
-            refused = httpx.post(url + CHAT, json=BODY, timeout=30)
-            assert httpx.get(url + "/health").status_code == 200  # not metered
+            refused = loopback.post(url + CHAT, json=BODY, timeout=30)
+            assert loopback.get(url + "/health").status_code == 200  # not metered
             held.join()
-            assert httpx.post(url + CHAT, json=BODY, timeout=30).status_code == 200
+            assert loopback.post(url + CHAT, json=BODY, timeout=30).status_code == 200
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert "(limit 1, --max-pending)" in refused.json()["error"]["message"]

@@ -10,6 +10,7 @@ import logging
 
 import httpx
 
+import loopback
 from prefixcache.router.forward import REPLICA_HEADER
 from router_fixtures import metric_total, running_router
 from test_router import AUTH, Cluster, chat, cluster  # noqa: F401  (the module's replicas)
@@ -50,7 +51,7 @@ def test_one_key_stays_on_one_replica_and_keys_spread(cluster: Cluster, caplog) 
     caplog.set_level(logging.INFO, logger="prefixcache.router")
     with (
         running_router(cluster.config("round-robin")) as (url, state),
-        httpx.Client(base_url=url, timeout=30) as client,
+        loopback.Client(base_url=url, timeout=30) as client,
     ):
         placed = {key: [post(client, f"{key}doc{i}", key) for i in range(3)] for key in KEYS}
         placed[KEYS[0]].append(post(client, "adoc-text", KEYS[0], path="text"))
@@ -72,7 +73,7 @@ def test_one_key_stays_on_one_replica_and_keys_spread(cluster: Cluster, caplog) 
 def test_affinity_off_ignores_keys(cluster: Cluster) -> None:  # noqa: F811
     with (
         running_router(cluster.config("round-robin", affinity_keys=0)) as (url, state),
-        httpx.Client(base_url=url, timeout=30) as client,
+        loopback.Client(base_url=url, timeout=30) as client,
     ):
         assert len({post(client, f"off{i}", "same") for i in range(2)}) == 2
         assert kept(state) == 0
@@ -81,7 +82,7 @@ def test_affinity_off_ignores_keys(cluster: Cluster) -> None:  # noqa: F811
 def test_a_killed_replica_moves_the_key_and_the_key_follows(cluster: Cluster) -> None:  # noqa: F811
     with (
         running_router(cluster.config("round-robin")) as (url, state),
-        httpx.Client(base_url=url, timeout=30) as client,
+        loopback.Client(base_url=url, timeout=30) as client,
     ):
         home = post(client, "mole0", "m")
         assert post(client, "mole1", "m") == home

@@ -11,6 +11,7 @@ import threading
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import tiny_engine
 from prefixcache.cli import main
 from prefixcache.engine.config import DEFAULT_STEP_TARGET_MS
@@ -42,7 +43,7 @@ def served(tmp_path_factory):
 def complete(url: str, words: str, max_tokens: int = 24) -> str:
     """A completion's response id."""
     body = {"model": "tiny", "prompt": f"{WORD} {words}", "max_tokens": max_tokens}
-    reply = httpx.post(url + "/v1/completions", json=body, headers=ADMIN, timeout=60)
+    reply = loopback.post(url + "/v1/completions", json=body, headers=ADMIN, timeout=60)
     assert reply.status_code == 200, reply.text
     return reply.json()["id"]
 
@@ -80,7 +81,7 @@ def test_the_record_says_what_the_access_log_said_and_no_text(served, caplog):
     ids = together(url)
     records = {}
     for request_id in ids:
-        reply = httpx.get(f"{url}/admin/requests/{request_id}", headers=ADMIN)
+        reply = loopback.get(f"{url}/admin/requests/{request_id}", headers=ADMIN)
         assert reply.status_code == 200, reply.text
         assert WORD not in reply.text and "token_ids" not in reply.text
         records[request_id] = record = reply.json()
@@ -101,14 +102,14 @@ def test_the_record_says_what_the_access_log_said_and_no_text(served, caplog):
 def test_admin_keys_only_and_unknown_ids_are_404(served):
     url, _ = served
     path = url + "/admin/requests/chatcmpl-nothere"
-    assert httpx.get(path).status_code == 401
-    assert httpx.get(path, headers=BETA).status_code == 403
-    missing = httpx.get(path, headers=ADMIN)
+    assert loopback.get(path).status_code == 401
+    assert loopback.get(path, headers=BETA).status_code == 403
+    missing = loopback.get(path, headers=ADMIN)
     assert missing.status_code == 404
     error = missing.json()["error"]
     assert "chatcmpl-nothere" in error["message"] and "only the last 1024" in error["message"]
     assert httpx.head(path, headers=ADMIN).status_code == 404
-    schema = httpx.get(url + "/openapi.json", headers=ADMIN).json()
+    schema = loopback.get(url + "/openapi.json", headers=ADMIN).json()
     declared = schema["paths"]["/admin/requests/{request_id}"]["get"]["responses"]
     assert {"200", "401", "403", "404"} <= set(declared)
 
@@ -118,10 +119,10 @@ def test_only_the_last_n_are_kept(served):
     state.recent = RecentRequests(limit=2)
     try:
         first, second, third = (complete(url, w, max_tokens=2) for w in ("a", "b", "c"))
-        gone = httpx.get(f"{url}/admin/requests/{first}", headers=ADMIN)
+        gone = loopback.get(f"{url}/admin/requests/{first}", headers=ADMIN)
         assert gone.status_code == 404 and "only the last 2 " in gone.json()["error"]["message"]
         for kept in (second, third):
-            assert httpx.get(f"{url}/admin/requests/{kept}", headers=ADMIN).status_code == 200
+            assert loopback.get(f"{url}/admin/requests/{kept}", headers=ADMIN).status_code == 200
     finally:
         state.recent = RecentRequests()
 

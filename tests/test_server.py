@@ -7,11 +7,11 @@ import random
 import socket
 import time
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import Limits
@@ -150,7 +150,7 @@ def test_cached_tokens_are_shared_within_a_tenant_only(served):
 )
 def test_bad_requests_get_clear_errors(served, body, status, message):
     url, _ = served
-    response = httpx.post(
+    response = loopback.post(
         url + "/v1/chat/completions", content=body, headers={"authorization": "Bearer sk-alpha"}
     )
     assert response.status_code == status
@@ -160,7 +160,7 @@ def test_bad_requests_get_clear_errors(served, body, status, message):
 
 def test_prompts_too_long_for_context_or_pool(served, tmp_path):
     url, _ = served
-    response = httpx.post(
+    response = loopback.post(
         url + "/v1/completions",
         headers={"authorization": "Bearer sk-alpha"},
         json={"model": "tiny", "prompt": list(range(600)), "max_tokens": 1},
@@ -168,7 +168,7 @@ def test_prompts_too_long_for_context_or_pool(served, tmp_path):
     assert response.status_code == 400 and "512" in response.json()["error"]["message"]
     engine = tiny_engine(num_kv_blocks=10, block_size=4)
     with running_server(engine, Tenants(None)) as (small_url, _):
-        response = httpx.post(
+        response = loopback.post(
             small_url + "/v1/completions",
             json={"model": "tiny", "prompt": list(range(60)), "max_tokens": 1},
         )
@@ -179,13 +179,13 @@ def test_prompts_too_long_for_context_or_pool(served, tmp_path):
 def test_keys_are_required_and_checked(served):
     url, _ = served
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
-    missing = httpx.post(url + "/v1/chat/completions", json=body)
-    wrong = httpx.post(
+    missing = loopback.post(url + "/v1/chat/completions", json=body)
+    wrong = loopback.post(
         url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-nope"}
     )
     assert (missing.status_code, wrong.status_code) == (401, 401)
     assert "missing API key" in missing.json()["error"]["message"]
-    not_admin = httpx.post(
+    not_admin = loopback.post(
         url + "/admin/reset_prefix_cache", headers={"authorization": "Bearer sk-beta"}
     )
     assert not_admin.status_code == 403
@@ -196,12 +196,12 @@ def test_admin_reset_reports_honestly(served):
     ask(url, "sk-alpha", "Warm the cache?")
     wait_idle(state)
     admin = {"authorization": "Bearer sk-alpha"}
-    done = httpx.post(url + "/admin/reset_prefix_cache", headers=admin).json()
+    done = loopback.post(url + "/admin/reset_prefix_cache", headers=admin).json()
     assert done["reset"] is True
     assert ask(url, "sk-alpha", "Cold again?").usage.prompt_tokens_details.cached_tokens == 0
 
     async def reset_while_busy():
-        async with httpx.AsyncClient(base_url=url, headers=admin, timeout=60) as http:
+        async with loopback.AsyncClient(base_url=url, headers=admin, timeout=60) as http:
             body = {"model": "tiny", "prompt": "long", "max_tokens": 300, "ignore_eos": True}
             busy = asyncio.create_task(http.post("/v1/completions", json=body))
             while not state.engine.scheduler.running:  # admitted: it holds blocks now
@@ -220,7 +220,7 @@ def test_overload_gets_429_not_an_unbounded_queue():
     with running_server(engine, Tenants(None), max_pending=2) as (url, state):
 
         async def burst():
-            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with loopback.AsyncClient(base_url=url, timeout=60) as http:
                 body = {"model": "tiny", "prompt": "x y z", "max_tokens": 200, "ignore_eos": True}
                 return await asyncio.gather(
                     *(http.post("/v1/completions", json=body) for _ in range(6))
@@ -249,11 +249,11 @@ def test_bodies_still_arriving_count_against_max_pending():
         while state.in_flight.total < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
-        refused = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        refused = loopback.post(url + "/v1/completions", json=body, timeout=10)
         for sock in slow:
             sock.close()
         wait_idle(state)
-        served_after = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        served_after = loopback.post(url + "/v1/completions", json=body, timeout=10)
     assert refused.status_code == 429 and "--max-pending" in refused.json()["error"]["message"]
     assert refused.headers["retry-after"] == "1"
     assert served_after.status_code == 200
@@ -307,7 +307,7 @@ def test_metrics_parse_and_move(served):
     admin = {"authorization": "Bearer sk-alpha"}  # with a key file, /metrics is admin-only
 
     def scrape() -> dict[str, float]:
-        text = httpx.get(url + "/metrics", headers=admin).text
+        text = loopback.get(url + "/metrics", headers=admin).text
         return {
             sample.name: sample.value
             for family in text_string_to_metric_families(text)
@@ -337,4 +337,4 @@ def test_metrics_parse_and_move(served):
         "prefixcache_cache_lookup_seconds_count",
     ):
         assert name in after
-    assert "railway" not in httpx.get(url + "/metrics", headers=admin).text  # no prompt text
+    assert "railway" not in loopback.get(url + "/metrics", headers=admin).text  # no prompt text

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import DEFAULT_MAX_BODY_BYTES, Limits
@@ -60,7 +61,7 @@ def clean_after(request):
 
 def post(url: str, path: str, body: bytes, headers: dict | None = None) -> httpx.Response:
     headers = {"content-type": "application/json", **(headers or {})}
-    return httpx.post(url + path, content=body, headers=headers, timeout=60)
+    return loopback.post(url + path, content=body, headers=headers, timeout=60)
 
 
 def test_the_two_inputs_of_the_issue_get_clear_errors_at_once(default):
@@ -95,7 +96,7 @@ def test_health_answers_while_a_big_body_is_being_prepared(default):
     big = json.dumps({"model": "tiny", "prompt": prompts}).encode()
     result: dict = {}
     caller = threading.Thread(target=lambda: result.update(r=post(url, "/v1/completions", big)))
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with loopback.Client(base_url=url, timeout=30) as http:
         idle = [_timed(http, "/health")[1] for _ in range(5)]
         caller.start()
         wait_for(lambda: state.pool.busy > 0 or not caller.is_alive())
@@ -310,18 +311,18 @@ def test_auth_cannot_be_sidestepped(keyed, host):
 
 def test_metrics_need_an_admin_key_and_admin_routes_say_403(keyed):
     url, _ = keyed
-    assert httpx.get(url + "/metrics").status_code == 401
-    refused = httpx.get(url + "/metrics", headers=BETA)
+    assert loopback.get(url + "/metrics").status_code == 401
+    refused = loopback.get(url + "/metrics", headers=BETA)
     assert refused.status_code == 403 and "needs an admin key" in refused.json()["error"]["message"]
-    assert httpx.post(url + "/admin/reset_prefix_cache", headers=BETA).status_code == 403
-    assert httpx.get(url + "/admin/prefixes", headers=BETA).status_code == 403
-    assert httpx.get(url + "/admin/requests/chatcmpl-x", headers=BETA).status_code == 403
-    listed = httpx.get(url + "/admin/prefixes?limit=3", headers=ADMIN)
+    assert loopback.post(url + "/admin/reset_prefix_cache", headers=BETA).status_code == 403
+    assert loopback.get(url + "/admin/prefixes", headers=BETA).status_code == 403
+    assert loopback.get(url + "/admin/requests/chatcmpl-x", headers=BETA).status_code == 403
+    listed = loopback.get(url + "/admin/prefixes?limit=3", headers=ADMIN)
     assert listed.status_code == 200 and set(listed.json()) == {"block_size", "prefixes"}
     for bad in ("0", "101", "x", "-1", "1e2"):
-        reply = httpx.get(url + f"/admin/prefixes?limit={bad}", headers=ADMIN)
+        reply = loopback.get(url + f"/admin/prefixes?limit={bad}", headers=ADMIN)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "limit"
-    scraped = httpx.get(url + "/metrics", headers=ADMIN)
+    scraped = loopback.get(url + "/metrics", headers=ADMIN)
     assert scraped.status_code == 200 and "prefixcache_kv_blocks" in scraped.text
     options = httpx.options(url + "/metrics", headers=ADMIN)  # authenticated: now the 405
     assert options.status_code == 405
@@ -340,10 +341,10 @@ def test_the_metrics_port_serves_loopback_without_a_key(keyed):
     server = serve_metrics(state.metrics, port)
     try:
         assert server.server_address[0] == "127.0.0.1"
-        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        scraped = loopback.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert scraped.status_code == 200 and "prefixcache_kv_blocks" in scraped.text
         # what Prometheus asks for: the text format all the same, vLLM's names unescaped
-        asked = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=PROMETHEUS_ACCEPT)
+        asked = loopback.get(f"http://127.0.0.1:{port}/metrics", headers=PROMETHEUS_ACCEPT)
         assert asked.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
         assert "\nvllm:num_requests_running{" in asked.text
         assert "vllm_" not in asked.text
@@ -357,7 +358,7 @@ def test_a_tenant_cannot_take_all_of_max_pending(keyed):
     long = {"model": "tiny", "prompt": "hold", "max_tokens": 400, "ignore_eos": True}
 
     async def scenario() -> tuple[list[int], httpx.Response, httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async with loopback.AsyncClient(base_url=url, timeout=60) as http:
             held = [
                 http.stream("POST", TEXT, json={**long, "stream": True}, headers=BETA)
                 for _ in range(2)
@@ -397,7 +398,7 @@ def test_a_tenant_cannot_take_all_of_max_pending(keyed):
 
 def test_openapi_declares_the_bodies_and_every_status(keyed):
     url, _ = keyed
-    schema = httpx.get(url + "/openapi.json", headers=ADMIN).json()
+    schema = loopback.get(url + "/openapi.json", headers=ADMIN).json()
     components = schema["components"]["schemas"]
     for path, model, field in ((CHAT, "ChatCompletionRequest", "messages"),
                                (TEXT, "CompletionRequest", "prompt")):  # fmt: skip

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import Limits
@@ -152,7 +153,7 @@ async def soak(url: str, count: int, seed: int) -> Counter:
     port = int(url.rsplit(":", 1)[1])
     gate = asyncio.Semaphore(CONCURRENCY)
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+    async with loopback.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
 
         async def limited(index: int) -> tuple[str, str]:
             async with gate:
@@ -166,7 +167,7 @@ def test_soak_mixed_clients_leave_the_server_whole(tmp_path):
     tenants = Tenants.from_file(write_key_file(tmp_path))
     with running_server(engine, tenants, max_pending=MAX_PENDING, limits=LIMITS) as (url, state):
         alpha = _headers("sk-alpha")
-        expected = httpx.post(url + "/v1/completions", json=FINAL, headers=alpha).json()
+        expected = loopback.post(url + "/v1/completions", json=FINAL, headers=alpha).json()
         asyncio.run(soak(url, 100, seed=1))  # warm-up: allocator arenas, caches, threads
         wait_idle(state)
         before, started = rss(), time.monotonic()
@@ -174,7 +175,7 @@ def test_soak_mixed_clients_leave_the_server_whole(tmp_path):
         took = time.monotonic() - started
         wait_idle(state)
         grew = rss() - before
-        final = httpx.post(url + "/v1/completions", json=FINAL, headers=alpha).json()
+        final = loopback.post(url + "/v1/completions", json=FINAL, headers=alpha).json()
         wait_idle(state)  # nothing read, prepared or run: every tenant's share is back
         held = {t: state.in_flight.held(t) for t in ("alpha", "beta", "private")}
     print(f"soak: {REQUESTS} requests in {took:.1f} s; RSS grew {grew / 2**20:.1f} MiB")

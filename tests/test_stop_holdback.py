@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import random
 
-import httpx
 import pytest
 
+import loopback
 from engine_fixtures import assert_pool_clean, run_to_completion, tiny_engine
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.stop_holdback import releasable_length, visible_tokens
@@ -72,7 +72,7 @@ def test_engine_snapshots_never_show_a_stop_string_on_random_stop_sets():
 
 def _stream_text(url: str, body: dict) -> str:
     pieces = []
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+    with loopback.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
         assert response.headers["cache-control"] == "no-cache"
         assert response.headers["x-accel-buffering"] == "no"
         for line in response.iter_lines():
@@ -95,10 +95,10 @@ def test_streamed_equals_non_streamed_byte_for_byte_on_random_stop_sets():
                 body["messages"] = [{"role": "user", "content": f"count with me {i}"}]
             else:
                 body["prompt"] = f"Numbers {i}: 1. 1\n2. 2\n"
-            free = httpx.post(endpoint, json=body, timeout=60).json()["choices"][0]
+            free = loopback.post(endpoint, json=body, timeout=60).json()["choices"][0]
             text = free["message"]["content"] if chat else free["text"]
             body["stop"] = _random_stops(rng, text)
-            whole = httpx.post(endpoint, json=body, timeout=60).json()["choices"][0]
+            whole = loopback.post(endpoint, json=body, timeout=60).json()["choices"][0]
             whole = whole["message"]["content"] if chat else whole["text"]
             assert _stream_text(endpoint, body) == whole
             assert not any(stop in whole for stop in body["stop"])

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import zmq
 
+import loopback
 from prefixcache.shutdown import HOLD_VARIABLE, TEARDOWN_SECONDS
 from process_fixtures import descendants, exit_within, process_table, send, survivors
 from raw_http import Reply, connect, head, read_reply
@@ -60,13 +61,13 @@ def answers(url: str, process: subprocess.Popen) -> bool:
     if process.poll() is not None:
         raise AssertionError(f"it exited with {process.returncode} before answering")
     try:
-        return httpx.get(f"{url}/health", timeout=1).status_code in (200, 503)
+        return loopback.get(f"{url}/health", timeout=1).status_code in (200, 503)
     except httpx.HTTPError:
         return False
 
 
 def healthy(url: str) -> bool:
-    return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    return loopback.get(f"{url}/health", timeout=1).status_code == 200
 
 
 def starting_worker(pid: int) -> bool:
@@ -88,7 +89,7 @@ def serve_at_warm_up(work: Path, model: Path, sig: int, group: bool) -> Outcome:
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: answers(url, process), 60, "the server")
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
-    assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert loopback.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
     wait_until(lambda: starting_worker(process.pid), 30, "a preparation worker")
     return stop(process, log, sig, group, DEADLINE)
 
@@ -157,7 +158,7 @@ class Stream:
 
     def _read(self) -> None:
         try:
-            with httpx.stream("POST", self.url + self.path, json=self.body, timeout=60) as reply:
+            with loopback.stream("POST", self.url + self.path, json=self.body, timeout=60) as reply:
                 for line in reply.iter_lines():
                     if line:
                         self.lines.append(line)
@@ -188,7 +189,7 @@ def assert_cut_with_an_error_event(stream: Stream, message: str) -> None:
 
 def pending(url: str, name: str = "prefixcache_requests_pending") -> float:
     """The requests a server (or, with `prefixcache_router_pending`, a router) holds."""
-    page = httpx.get(f"{url}/metrics", timeout=10).text
+    page = loopback.get(f"{url}/metrics", timeout=10).text
     found = re.search(rf"^{name} (\S+)$", page, re.MULTILINE)
     assert found, f"{url}/metrics has no {name}"
     return float(found.group(1))
@@ -281,7 +282,7 @@ def test_sigterm_mid_stream_loses_nothing(tmp_path, model) -> None:
     again = launch(serve_command(model, port, *extra), restart_log)
     wait_until(lambda: answers(url, again), 60, "the restarted server")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
-    assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert loopback.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
     outcome = stop(again, restart_log, signal.SIGINT, False, DEADLINE)
     assert outcome.clean, outcome
     text = restart_log.read_text()
@@ -345,7 +346,7 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
     assert answer.status_code == 503, answer.text
     assert "the router is shutting down" in answer.json()["error"]["message"], answer.text
     body = {"model": "tiny", "prompt": "still there?", "max_tokens": 2}
-    assert httpx.post(f"{replica_url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert loopback.post(f"{replica_url}/v1/completions", json=body, timeout=30).status_code == 200
     assert_clean([stop(replica, tmp_path / "r.log", signal.SIGINT, False, DEADLINE)])
 
 
@@ -384,7 +385,7 @@ def test_a_sigkilled_cluster_leaves_no_replica_or_router(tmp_path, model) -> Non
     process = launch(cluster_command(model, port), log)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: "ready: 1/1 replicas healthy" in log.read_text(), 90, "the replica")
-    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert loopback.get(f"{url}/health", timeout=5).status_code == 200
     family = descendants(process.pid)
     # Its own children: a replica forking a worker shows its command line until the exec.
     children = [c for ppid, c in process_table().values() if ppid == process.pid]

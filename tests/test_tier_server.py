@@ -7,9 +7,9 @@ import json
 import os
 import stat
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+import loopback
 from engine_fixtures import assert_pool_clean, tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.tenant_secret import load_or_create_secret
@@ -28,13 +28,13 @@ def ask(url: str, question: str, key: str | None = None) -> dict:
         "ignore_eos": True,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
     }
-    reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    reply = loopback.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = loopback.get(f"{url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import loopback
 from engine_fixtures import default_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.protocol.limits import Limits
@@ -101,11 +102,11 @@ def test_count_tokens_grows_with_tools_and_errs_in_anthropics_shape(served):
 
 
 def tokenize(url: str, body: dict, key: str = KEY) -> httpx.Response:
-    return httpx.post(url + "/tokenize", json=body, headers={"Authorization": f"Bearer {key}"})
+    return loopback.post(url + "/tokenize", json=body, headers={"Authorization": f"Bearer {key}"})
 
 
 def detokenize(url: str, tokens: list) -> httpx.Response:
-    return httpx.post(url + "/detokenize", json={"tokens": tokens}, headers=AUTH)
+    return loopback.post(url + "/detokenize", json={"tokens": tokens}, headers=AUTH)
 
 
 @pytest.mark.parametrize("tools", [[], CHAT_TOOLS], ids=["plain", "tools"])
@@ -166,7 +167,7 @@ def test_prompt_tokenize_equals_a_completions_prompt_and_round_trips(served):
 def test_bad_token_bodies_are_openai_errors_naming_the_field(served, path, body, status, param,
                                                              words):  # fmt: skip
     url, _ = served
-    reply = httpx.post(url + path, json=body, headers=AUTH)
+    reply = loopback.post(url + path, json=body, headers=AUTH)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
@@ -175,11 +176,11 @@ def test_bad_token_bodies_are_openai_errors_naming_the_field(served, path, body,
 
 def test_tokenize_needs_a_key_and_counts_against_the_tenants_share(served):
     url, state = served
-    assert httpx.post(url + "/tokenize", json={"prompt": "a"}).status_code == 401
+    assert loopback.post(url + "/tokenize", json={"prompt": "a"}).status_code == 401
     long = {"model": MODEL, "prompt": "Count", "max_tokens": 4000, "ignore_eos": True}
 
     async def scenario() -> tuple[int, int, int]:
-        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as http:
+        async with loopback.AsyncClient(base_url=url, headers=AUTH, timeout=60) as http:
             async with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as s:
                 lines = s.aiter_lines()  # kept: a dropped iterator would close the stream
                 await anext(lines)  # alpha's one unit is held by the stream

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
+import loopback
 from engine_fixtures import default_tokenizer, tiny_engine
 from prefixcache.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from prefixcache.engine.tokenizer import Tokenizer
@@ -197,7 +197,7 @@ ASK = [{"role": "user", "content": "hi"}]
 )  # fmt: skip
 def test_bad_tools_are_400s_naming_the_field(served, extra, field):
     body = {"model": "tiny", "messages": ASK, "max_tokens": 2, **extra}
-    reply = httpx.post(served + "/v1/chat/completions", json=body, timeout=30)
+    reply = loopback.post(served + "/v1/chat/completions", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == field and field in error["message"], error
@@ -218,7 +218,7 @@ def test_tool_choice_none_renders_the_tools_and_answers_in_text(served):
         "max_tokens": 3,
         "temperature": 0,
     }  # fmt: skip
-    reply = httpx.post(served + "/v1/chat/completions", json=body, timeout=30)
+    reply = loopback.post(served + "/v1/chat/completions", json=body, timeout=30)
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] != "tool_calls"

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
+import loopback
 from engine_fixtures import default_engine
 from prefixcache.protocol.auth import Tenants
 from server_fixtures import running_server, wait_idle
@@ -57,7 +57,7 @@ NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def served():
     with running_server(default_engine(), Tenants(None), model_name=MODEL) as (url, state):
-        block = httpx.get(url + "/health").json()["block_size"]
+        block = loopback.get(url + "/health").json()["block_size"]
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0), block
         wait_idle(state)
 

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import loopback
 from prefixcache.protocol.auth import Tenants
 from prefixcache.router.digests import prompt_digests
 from router_fixtures import ReplicaProcess, tiny_replicas, wait_until
@@ -57,13 +57,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 
 def complete(url: str, prompt: str) -> None:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    reply = httpx.post(f"{url}/v1/completions", json=body, headers=ADMIN, timeout=60)
+    reply = loopback.post(f"{url}/v1/completions", json=body, headers=ADMIN, timeout=60)
     assert reply.status_code == 200, reply.text
 
 
 def tokens(url: str, prompt: str) -> list[int]:
     """The ids a completion of ``prompt`` prefills (the replica's own ``/tokenize``)."""
-    reply = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, headers=ADMIN, timeout=30)
+    reply = loopback.post(f"{url}/tokenize", json={"prompt": prompt}, headers=ADMIN, timeout=30)
     return reply.json()["tokens"]
 
 
@@ -79,7 +79,7 @@ def fork(prompts: list[list[int]]) -> tuple[int, int]:
 
 
 def by_state(url: str) -> dict[str, int]:
-    text = httpx.get(f"{url}/metrics", headers=ADMIN, timeout=10).text
+    text = loopback.get(f"{url}/metrics", headers=ADMIN, timeout=10).text
     return {
         sample.labels["state"]: int(sample.value)
         for family in text_string_to_metric_families(text)
@@ -114,7 +114,7 @@ def test_one_frame_shows_the_pool_as_metrics_say_and_prefixes_by_digest_only(ser
     # extends, named by its digest, with as many branches as prompts part there.
     ids = [tokens(replica.url, prompt) for prompt in prompts]
     blocks, branches = fork(ids)
-    health = httpx.get(f"{replica.url}/health").json()
+    health = loopback.get(f"{replica.url}/health").json()
     tenant = servers.tenants.authenticate(ADMIN["Authorization"])
     salt = servers.tenants.cache_salt(tenant, None)
     chain = prompt_digests(bytes.fromhex(health["namespace_digest"]), 4, ids[0], salt)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
-
+import loopback
 from engine_fixtures import tiny_engine
 from prefixcache.protocol.auth import Tenants
 from prefixcache.server.trace_out import TraceWriter
@@ -25,7 +24,7 @@ def chat(url: str, key: str, system: str, question: str) -> None:
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
     }
     headers = {"Authorization": f"Bearer {key}"}
-    reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    reply = loopback.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 200, reply.text
 
 
