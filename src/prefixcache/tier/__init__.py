@@ -8,10 +8,8 @@ gives the ``TierClient`` the engine calls.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_plus, urlsplit
-
-from redis.connection import parse_url
 
 from prefixcache.tier.base import (
     REJECT_REASONS,
@@ -24,7 +22,9 @@ from prefixcache.tier.base import (
 from prefixcache.tier.client import CircuitBreaker, TierClient
 from prefixcache.tier.codec import decode_value, encode_value, read_header
 from prefixcache.tier.disk import DiskTier
-from prefixcache.tier.redis_tier import RedisTier
+
+if TYPE_CHECKING:
+    from prefixcache.tier.redis_tier import RedisTier
 
 __all__ = [
     "REJECT_REASONS",
@@ -45,6 +45,18 @@ __all__ = [
 ]
 
 DEFAULT_DISK_MAX_BYTES = 4 << 30
+
+
+def __getattr__(name: str) -> object:
+    """``RedisTier`` imported when first asked for: redis-py is ~0.1 s of every start-up,
+    and most servers have no Redis tier."""
+    if name == "RedisTier":
+        from prefixcache.tier.redis_tier import RedisTier
+
+        return RedisTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 ACCEPTED_FORMS = (
     "disk:PATH, redis://HOST:PORT/DB, redis://USER:PASSWORD@HOST:PORT/DB, "
     "rediss://USER:PASSWORD@HOST:PORT/DB?ssl_ca_certs=CA.pem, redis+cluster://HOST:PORT"
@@ -128,6 +140,8 @@ def _check_redis_url(spec: str, url: str, cluster: bool) -> None:
     if cluster and db not in ("", "0"):
         raise _bad_spec(spec, "Redis Cluster has database 0 only")
     _check_query(spec, parts.query, tls=parts.scheme == "rediss")
+    from redis.connection import parse_url  # here: see __getattr__
+
     try:
         parse_url(url)  # redis-py's own parse: a bad socket_timeout, ssl_check_hostname, ...
     except ValueError as error:
@@ -164,6 +178,8 @@ def _backend(spec: str, options: dict[str, Any]) -> KVTier:
             raise _bad_spec(spec, "no path")
         return DiskTier(path, options.pop("max_bytes", DEFAULT_DISK_MAX_BYTES), **options)
     scheme, sep, rest = spec.partition("://")
+    from prefixcache.tier.redis_tier import RedisTier
+
     if sep and scheme in ("redis", "rediss"):
         _check_redis_url(spec, spec, cluster=False)
         return RedisTier(spec, **options)

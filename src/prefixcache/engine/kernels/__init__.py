@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from prefixcache.engine.cache_folder import default_cache_dir
 from prefixcache.progress import progress_bar
@@ -87,7 +86,7 @@ def build(path: Path) -> Path:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".objects-") as folder:
         objects = _compile_objects(compiler, Path(folder), temporary)
-        lib = cpp_extension.library_paths()[0]
+        lib = _cpp_extension().library_paths()[0]
         command = [compiler, *FLAGS, *objects, f"-L{lib}", f"-Wl,-rpath,{lib}"]
         command += ["-ltorch", "-ltorch_cpu", "-lc10", "-o", str(temporary)]
         _check(compiler, _compile(command, temporary, threading.Event()), temporary)
@@ -95,10 +94,18 @@ def build(path: Path) -> Path:
     return path
 
 
+def _cpp_extension():
+    """torch's build helpers, imported for a build only (they import setuptools: ~0.1 s of
+    every server's start-up otherwise)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension
+
+
 def _compile_objects(compiler: str, folder: Path, temporary: Path) -> list[str]:
     """Every source compiled into ``folder``, ``os.cpu_count()`` compilers at a time."""
     flags = [flag for flag in FLAGS if flag not in LINK_ONLY]
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    includes = [f"-I{p}" for p in _cpp_extension().include_paths()]
     commands = {
         str(folder / f"{name}.o"): [compiler, *flags, *includes, "-c", str(_HERE / name), "-o"]
         for name in SOURCES
