@@ -100,7 +100,7 @@ SLOW_FILES = (
     "test_ray_serve.py", "test_gemma3.py", "test_gguf_tokenizers.py", "test_weight_types.py",
     "test_chat_templates.py", "test_stop_signals.py", "test_ray_stop.py", "test_stateful.py",
     "test_router.py", "test_cluster_command.py", "test_router_key_affinity.py",
-    "test_router_apis.py",
+    "test_router_apis.py", "test_tools_default_model.py",
     "test_cache_events.py", "test_kv_events_serve.py", "test_policy.py",
     "test_router_hardening.py", "test_weights.py", "test_quantized.py", "test_audit.py",
     "test_access_log.py", "test_messages_tools_default_model.py", "test_prepare_process.py",

@@ -17,15 +17,30 @@ from functools import cache
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
-_GGUFReader = gguf.GGUFReader
 _tensor_name_map = cache(gguf.get_tensor_name_map)
+
+
+class _ArrayReader(gguf.GGUFReader):
+    """gguf's reader, its parsing unchanged, over a plain ndarray view of its memmap: the
+    same bytes, but a slice no longer runs memmap's Python-level ``__array_finalize__``, and
+    the reader slices once per vocabulary string (Gemma 3's file: 11.7 -> 4.1 s, measured;
+    every field's contents and every tensor's data equal)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._array = value.view(np.ndarray)
 
 
 @cache
 def _read(path: Path) -> gguf.GGUFReader:
-    return _GGUFReader(path)
+    return _ArrayReader(path)
 
 
 def gguf_reader(path: str | Path, mode: str = "r") -> gguf.GGUFReader:
