@@ -4,7 +4,8 @@ tests (the default model's weights and tokenizer) come from it unchanged, in a t
 transformers parses the whole GGUF (its 49,152-entry vocabulary through numpy memmap slices)
 once for the config, again for the weights and again for the tokenizer, and rebuilds gguf's
 tensor-name map for every submodule of the model (~400 times). Here each file is parsed once
-per session by gguf's own ``GGUFReader`` and the name map is built once per architecture:
+per session by gguf's own ``GGUFReader`` (its parsing unchanged, over a plain ndarray view of the
+memmap: ``_ArrayReader``) and the name map is built once per architecture:
 the same reader objects and the same maps, so the same tensors and tokenizer (measured: the
 reference's state dict and the tokenizer's JSON are byte-identical with and without this).
 """

@@ -11,9 +11,10 @@ from functools import partial
 
 import httpx
 
-from prefixcache.protocol.loopback_http import tls_context
+from prefixcache.protocol import loopback_http
 
-get = partial(httpx.get, verify=tls_context())
+get = loopback_http.get  # the product's own
+tls_context = loopback_http.tls_context
 post = partial(httpx.post, verify=tls_context())
 stream = partial(httpx.stream, verify=tls_context())
 request = partial(httpx.request, verify=tls_context())

@@ -324,7 +324,7 @@ def test_route_cuts_its_streams_at_its_deadline_with_error_events(tmp_path, mode
     )  # fmt: skip  # cut 0.5 s after the signal, with ~1 s of tokens to come
     wait_until(lambda: answers(url, router) and healthy(url), 60, "the router's replica")
     whole = ThreadPoolExecutor(1).submit(
-        httpx.post, f"{url}/v1/completions", json=OPENAI_STREAM, timeout=30
+        loopback.post, f"{url}/v1/completions", json=OPENAI_STREAM, timeout=30
     )  # sent first: under way at the signal too
     streams = [Stream(url), Stream(url, "/v1/messages", ANTHROPIC_STREAM)]
     wait_until(lambda: all(s.started() for s in streams), 30, "the streams' first events")

@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -94,7 +95,7 @@ def build(path: Path) -> Path:
     return path
 
 
-def _cpp_extension():
+def _cpp_extension() -> ModuleType:
     """torch's build helpers, imported for a build only (they import setuptools: ~0.1 s of
     every server's start-up otherwise)."""
     from torch.utils import cpp_extension
