@@ -35,6 +35,7 @@ SOURCES = (
     "decode_layer.cpp",
     "decode_layer.h",
     "gguf_blocks.h",
+    "gguf_int8.h",
     "gguf_matmul.cpp",
     "gguf_matmul.h",
     "gguf_simd.h",

@@ -45,6 +45,7 @@ struct LayerShape {
   float eps, scale;
   int64_t max_decode_rows;  // GGUF projections: packed_weight.max_decode_rows(), as eager
   bool gelu;                // the MLP's gate: GeLU (tanh) as Gemma's; else SiLU
+  bool int8_activations;    // GGUF projections: as gguf_matmul's (gguf_int8.h), as eager
 };
 
 // Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_int8.h"
 #include "gguf_matmul.h"
 #include "gguf_simd.h"
 #include "gguf_simd_avx2.h"
@@ -63,6 +64,23 @@ using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const 
 // Activation rows laid out as a type's DotRows reads them (simd::interleave).
 using Interleave = void (*)(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed);
 
+#ifdef PREFIXCACHE_GGUF_INT8
+// One type's int8-activation decode kernel (gguf_int8.h) for `rows` rows (entry rows - 1).
+using DotRowsInt8 = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in,
+                             const int8::Activations& x, int64_t first, int64_t last, float* y,
+                             int64_t out);
+template <class D, size_t... R>
+constexpr std::array<DotRowsInt8, kMaxRows> int8_dots_for(std::index_sequence<R...>) {
+  return {int8::dot_rows<D, static_cast<int>(R) + 1>...};
+}
+template <class D>
+constexpr std::array<DotRowsInt8, kMaxRows> kInt8Dots = int8_dots_for<D>(std::make_index_sequence<kMaxRows>{});
+#define INT8(T) kInt8Dots<int8::T>.data()
+#else
+using DotRowsInt8 = void*;
+#define INT8(T) nullptr
+#endif
+
 // A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, SIMD ones.
 struct Kernels {
   Format portable;
@@ -70,6 +88,7 @@ struct Kernels {
   const DotRows* dots;      // kMaxRows entries, or nullptr: decode into a buffer, then dot
   Interleave interleave;    // with dots: the rows as they read them
   bool copies_one_row;      // with dots: one row is laid out too (else read as it is)
+  const DotRowsInt8* int8_dots = nullptr;  // kMaxRows entries, or nullptr: none for the type
 };
 
 #define NO_FAST nullptr, nullptr, nullptr, false  // the portable decoder alone
@@ -87,7 +106,7 @@ constexpr std::array<DotRows, kMaxRows> kDots = dots_for<D>(std::make_index_sequ
 #define FAST(T) NO_FAST
 #endif
 
-#define BLOCKS(T, f, V, B) {{V, B, run<f, V, B>}, FAST(T)}
+#define BLOCKS(T, f, V, B) {{V, B, run<f, V, B>}, FAST(T), INT8(T)}
 constexpr Kernels kF32_kernels{{1, 4, run_f32}, NO_FAST};
 constexpr Kernels kF16_kernels{{1, 2, run_f16}, NO_FAST};
 constexpr Kernels kBF16_kernels{{1, 2, run_bf16}, NO_FAST};
@@ -102,6 +121,7 @@ constexpr Kernels kQ4_K_kernels BLOCKS(Q4_K, decode_q4_k, 256, 144);
 constexpr Kernels kQ5_K_kernels BLOCKS(Q5_K, decode_q5_k, 256, 176);
 constexpr Kernels kQ6_K_kernels BLOCKS(Q6_K, decode_q6_k, 256, 210);
 #undef BLOCKS
+#undef INT8
 #undef FAST
 #undef NO_FAST
 
@@ -177,6 +197,26 @@ void dot_rows(const Matrix& w, const float* x, int64_t x_stride, int64_t rows, i
     for (int64_t t = 0; t < rows; ++t) y[t * out + r] = acc[t];
   }
 }
+
+#ifdef PREFIXCACHE_GGUF_INT8
+// decode_matmul with int8 activations (gguf_int8.h's contract): each row quantized once.
+void int8_decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
+  const int64_t tokens = x.size(0), groups = w.in / 32, grain = std::max<int64_t>(1, 16384 / w.in);
+  std::vector<int8_t> codes(tokens * w.in);
+  std::vector<float> scales(tokens * groups), sums(tokens * groups);
+  const float* xs = x.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    int8::quantize_row(xs + t * w.in, w.in, &codes[t * w.in], &scales[t * groups], &sums[t * groups]);
+  }
+  for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, tokens - t0);
+    const int8::Activations a{&codes[t0 * w.in], &scales[t0 * groups], &sums[t0 * groups], groups};
+    at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
+      w.k->int8_dots[rows - 1](w.data, w.row_bytes, w.in, a, first, last, y + t0 * w.rows, w.rows);
+    });
+  }
+}
+#endif
 
 void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   const int64_t tokens = x.size(0), grain = std::max<int64_t>(1, 16384 / w.in);
@@ -259,14 +299,23 @@ std::string simd_name() {
 
 void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in) { matrix(blocks, type, in); }
 
+bool has_int8_kernel(int64_t type) {
+  const Kernels* k = kernels_of(type);
+  return k != nullptr && k->int8_dots != nullptr;
+}
+
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                  int64_t max_decode_rows) {
+                  int64_t max_decode_rows, bool int8_activations) {
   Matrix w = matrix(blocks, type, in);
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == in && x.is_contiguous(),
               "x must be contiguous fp32 [tokens, ", in, "]");
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   if (y.numel() == 0) return y;
-  if (x.size(0) <= max_decode_rows) {
+  if (x.size(0) <= max_decode_rows && int8_activations && w.k->int8_dots) {
+#ifdef PREFIXCACHE_GGUF_INT8
+    int8_decode_matmul(w, x, y.data_ptr<float>());
+#endif
+  } else if (x.size(0) <= max_decode_rows) {
     decode_matmul(w, x, y.data_ptr<float>());
   } else {
     prefill_matmul(w, x, y);

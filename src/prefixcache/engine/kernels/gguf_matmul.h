@@ -12,8 +12,13 @@ namespace prefixcache::gguf {
 void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in);
 
 // x [tokens, in] (contiguous fp32) times the packed matrix: torch.ops.prefixcache.gguf_matmul.
+// With `int8_activations`, up to `max_decode_rows` rows of a type with an int8 kernel take it
+// (gguf_int8.h's contract); every other product keeps fp32 activations.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                  int64_t max_decode_rows);
+                  int64_t max_decode_rows, bool int8_activations);
+
+// Whether `type` has an int8-activation kernel in this build: torch.ops.prefixcache.gguf_int8.
+bool has_int8_kernel(int64_t type);
 
 // The matrix in fp32 [out, in] (torch.ops.prefixcache.gguf_dequantize): the SIMD decoders,
 // or the portable ones with `portable`.

@@ -1,6 +1,6 @@
 // torch.ops.prefixcache: the native kernels' checked entry points (decode_layers,
 // head_logits, round_bf16_, rms_norm, rope_heads, gather_kv, write_kv_, and gguf_matmul.cpp's
-// gguf_simd, gguf_dequantize and gguf_matmul): every op of the library is registered here.
+// gguf_simd, gguf_int8, gguf_dequantize and gguf_matmul): every op of the library is registered here.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -110,7 +110,7 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
                       at::IntArrayRef windows, at::TensorList keys, at::TensorList values,
                       at::TensorList caches, int64_t length,
                       at::TensorList rows, int64_t heads, int64_t kv_heads, double eps,
-                      double scale, bool gelu, int64_t max_decode_rows) {
+                      double scale, bool gelu, int64_t max_decode_rows, bool int8_activations) {
   const size_t layers = caches.size();
   TORCH_CHECK(layers > 0 && norms.size() % layers == 0 && counts.size() == 4 * layers &&
                   pairs.size() == packed.size() && types.size() == packed.size() &&
@@ -130,7 +130,7 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
     gate_up += packed[p].size(0);
   }
   LayerShape s{hidden, heads, kv_heads, dim, gate_up / 2, static_cast<float>(eps),
-               static_cast<float>(scale), max_decode_rows, gelu};
+               static_cast<float>(scale), max_decode_rows, gelu, int8_activations};
   floats(h, tokens * hidden, "h");
   const float* rope[4] = {floats(cos, tokens * dim, "cos"), floats(sin, tokens * dim, "sin"),
                           floats(local_cos, tokens * dim, "local_cos"),
@@ -235,7 +235,8 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
   m.def(
       "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "
-      "int max_decode_rows) -> Tensor");
+      "int max_decode_rows, bool int8_activations=False) -> Tensor");
+  m.def("gguf_int8(int ggml_type) -> bool", &gguf::has_int8_kernel);
   m.def("gather_kv(Tensor cache, int which, Tensor block_ids) -> Tensor");
   m.def("write_kv_(Tensor(a!) cache, Tensor rows, Tensor(b!) k, Tensor(c!) v) -> ()");
   m.def(
@@ -246,7 +247,7 @@ TORCH_LIBRARY(prefixcache, m) {
       "int[] ggml_types, int[] part_counts, Tensor[] qkv_biases, Tensor cos, Tensor sin, "
       "Tensor local_cos, Tensor local_sin, int[] windows, Tensor(b!)[] keys, Tensor(c!)[] values, "
       "Tensor(d!)[] caches, int length, Tensor[] rows, int heads, int kv_heads, float eps, "
-      "float scale, bool gelu, int max_decode_rows) -> ()");
+      "float scale, bool gelu, int max_decode_rows, bool int8_activations=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {

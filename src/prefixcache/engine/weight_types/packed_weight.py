@@ -99,8 +99,10 @@ class PackedWeight:
         name = "|".join(p.name for p in parts)
         return PackedWeight(blocks, first.wtype, (blocks.shape[0], first.shape[1]), name)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W^T` for fp32 `x` `[T, in]` -> fp32 `[T, out]` (the module docstring's contract)."""
+    def matmul(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+        """`x @ W^T` for fp32 `x` `[T, in]` -> fp32 `[T, out]` (the module docstring's contract;
+        with `int8_activations`, rows the decode kernel takes meet the weights as int8 codes,
+        `kernels/gguf_int8.h`'s contract, where the type has that kernel)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(
                 f"{self.name}: matmul takes fp32 [tokens, {self.shape[1]}], "
@@ -110,8 +112,9 @@ class PackedWeight:
             return F.linear(x, self.blocks.view(torch.float32))
         if kernels.available():
             return torch.ops.prefixcache.gguf_matmul(
-                x.contiguous(), self.blocks, self.wtype.code, self.shape[1], max_decode_rows()
-            )
+                x.contiguous(), self.blocks, self.wtype.code, self.shape[1], max_decode_rows(),
+                int8_activations,
+            )  # fmt: skip
         return F.linear(x, self.dequantize())
 
     def _index(self, ids: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
