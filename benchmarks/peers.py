@@ -13,6 +13,9 @@ and the same token ids as prompts (`/v1/completions` takes a list of ids), EOS i
     one at a time (total, and TTFT p50 of the 15 requests whose document is cached:
     llama-server reuses the longest prefix of its slot's previous prompt) and 16 at once;
   - ours, 16 at once with prefix caching off, for what the cache buys.
+Ours runs twice: as `make serve` runs it (fp32 activations, exact), and with
+`--decode-activations int8` (activations rounded to int8 per 32 in the decode kernels, as
+llama.cpp's CPU kernels do).
 The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
 slots of 2,304 tokens each, `-c 36864`, so the 2,000-token prompt fits one; `--no-repack`:
 ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
@@ -258,19 +261,20 @@ ROWS = (  # label, value, unit, higher is better
 
 
 def table(results: dict[str, dict]) -> list[str]:
-    """One row per case, one column per server, then our speed ratio to each peer."""
+    """One row per case, one column per server, then each of our servers' speed ratio to
+    each peer."""
     names = list(results)
-    peers = names[1:]
+    ours = [n for n in names if n.startswith("prefixcache")]
+    pairs = [(o, p) for o in ours for p in names if p not in ours]
     head = f"  {'case':<27}" + "".join(f"{n:>17}" for n in names)
-    head += "".join(f"{'vs ' + p:>21}" for p in peers)
+    head += "".join(f"{(o.removeprefix('prefixcache') + ' vs ' + p).strip():>26}" for o, p in pairs)
     lines = [head]
     for label, value, unit, higher in ROWS:
-        ours = value(results[names[0]])
         row = f"  {label:<27}" + "".join(f"{value(results[n]):>11.3g} {unit:<5}" for n in names)
-        for peer in peers:
-            theirs = value(results[peer])
-            ratio = ours / theirs if higher else theirs / ours
-            row += f"{ratio:>20.2f}x"
+        for o, p in pairs:
+            mine, theirs = value(results[o]), value(results[p])
+            ratio = mine / theirs if higher else theirs / mine
+            row += f"{ratio:>25.2f}x"
         lines.append(row)
     return lines
 
@@ -307,8 +311,10 @@ def compare(model: Path, threads: int, peer_python: Path) -> None:
 
     tokenizer = load_tokenizer(model)
     prompts = model_prompts(tokenizer)
+    int8 = ("--decode-activations", "int8")
     servers = {
         "prefixcache": Peer(our_server(model, threads)),
+        "prefixcache int8": Peer(our_server(model, threads, extra=int8)),
         "llama-server": Peer(llama_server(ensure_built(), model, threads)),
     }
     if peer_python.exists():  # its server has no /health

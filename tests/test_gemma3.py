@@ -10,6 +10,11 @@ Tolerances, and why:
   transformers stays in float32. Measured: max 1.5e-5 nats on the dense path; the kernels'
   roundings measured below `LOGPROB_TOL` / 4.
 - perplexity within 1% (the issue's goal).
+- with `--decode-activations int8` (every activation rounded to int8 codes per 32, in
+  64-token chunks so that each takes the int8 kernel): per-token logprob within
+  `INT8_LOGPROB_TOL` nats and perplexity within 1%. The rounding is ~1/254 of a group's
+  largest activation at every projection of 18 layers, and Gemma's activations have large
+  outliers; measured: max 0.55 nats, mean 0.06, perplexity +0.68%.
 - greedy tokens equal until the first position where transformers' top two logits are
   within `NEAR_TIE` of each other (a rounding can then pick either); after such a tie the
   continuations may differ and are not compared.
@@ -36,6 +41,7 @@ from server_fixtures import running_server
 pytestmark = pytest.mark.slow
 
 LOGPROB_TOL = 0.05
+INT8_LOGPROB_TOL = 1.0
 NEAR_TIE = 0.5
 PROMPTS = (
     "The capital of France is",
@@ -105,6 +111,20 @@ def test_prompt_logprobs_match_transformers_through_the_server(served, reference
     assert worst < LOGPROB_TOL, f"max logprob deviation {worst:.4f} nats"
     ppl_ours, ppl_ref = (-ours.mean()).exp().item(), (-expected.mean()).exp().item()
     assert abs(ppl_ours / ppl_ref - 1) < 0.01, (ppl_ours, ppl_ref)
+
+
+def test_int8_activations_keep_perplexity_within_one_percent(gemma, reference, text_ids):
+    config = EngineConfig(num_kv_blocks=160, decode_activations="int8", max_num_batched_tokens=64)
+    engine = LLMEngine(gemma, config)
+    engine.add_request("p", text_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    scored = run_to_completion(engine)["p"].prompt_logprobs[1:]
+    ours = torch.tensor([lp.logprob for lp in scored], dtype=torch.float64)
+    expected = _reference_logprobs(reference, text_ids).double()
+    worst = (ours - expected).abs().max().item()
+    assert 0 < worst < INT8_LOGPROB_TOL, f"max logprob deviation {worst:.4f} nats"
+    ppl_ours, ppl_ref = (-ours.mean()).exp().item(), (-expected.mean()).exp().item()
+    assert abs(ppl_ours / ppl_ref - 1) < 0.01, (ppl_ours, ppl_ref)
+    assert_pool_clean(engine)
 
 
 def test_greedy_matches_transformers_except_at_near_ties(gemma, reference, engines):

@@ -47,6 +47,7 @@ from prefixcache.engine.stopping import (
     stop_token_ids,
 )
 from prefixcache.engine.tier_link import TierLink, block_format
+from prefixcache.engine.weight_types.linear import set_decode_activations
 from prefixcache.engine.weights import LoadedModel
 from prefixcache.protocol.tenant_secret import load_secrets
 from prefixcache.tier import open_tier
@@ -87,6 +88,7 @@ class EngineConfig:
     kv_layout: str = DEFAULT_KV_LAYOUT  # hybrid: window layers keep their window only; full
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
+    decode_activations: str = "fp32"  # "int8": the GGUF decode kernels' activations as int8 codes
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
@@ -100,6 +102,11 @@ class EngineConfig:
     retention_budget: float = DEFAULT_SHARE  # of the pool, that one owner may retain
     retention_budgets: dict[str, float] | None = None  # owner -> its own retention share
     retention_clock: Callable[[], float] = time.monotonic  # retention expiries (tests: fake)
+
+
+def modules(model: nn.Module) -> list[object]:
+    """A model and its layers: where its projections are attributes."""
+    return [model, *getattr(model, "layers", ())]
 
 
 class LLMEngine:
@@ -210,8 +217,9 @@ class LLMEngine:
         if loaded.model is not None:  # fp32 on int4 kernels (`engine/weight_cache.py`)
             if config.dtype != torch.float32 or not config.quantized_weights:
                 raise ValueError("a prebuilt model runs fp32 on int4 weights only")
+            set_decode_activations(modules(loaded.model), config.decode_activations)
             return loaded.model, list(loaded.int4_weights)
-        form = (config.dtype, config.quantized_weights)
+        form = (config.dtype, config.quantized_weights, config.decode_activations)
         if form not in loaded.built:
             model = build_model(loaded.config, dtype=config.dtype)
             if config.quantized_weights:
@@ -223,15 +231,19 @@ class LLMEngine:
                 model.load_weights(loaded.state_dict)
                 loaded.built[form] = model, []
         model, int4_names = loaded.built[form]
+        set_decode_activations(modules(model), config.decode_activations)
         return model, list(int4_names)
 
     def _namespace_extra(self) -> tuple[tuple[str, str], ...]:
         """What else changes the KV values: the kernel quantized weights run on ("int4" or
-        "gguf"), a KV dtype other than the model's (so digests stay as they were without one,
-        and KV of another dtype is never looked up, in the tier or by a router), a hybrid
+        "gguf") and its activations if not fp32, a KV dtype other than the model's (so digests
+        stay as they were without one, and KV of another dtype is never looked up, in the tier
+        or by a router), a hybrid
         layout (whose tier values are pages of some layers, and whose blocks may lack window
         pages)."""
         extra = [("weights", weights_kernel(self.model))] if self.int4_weights else []
+        if self.int4_weights and self.config.decode_activations != "fp32":
+            extra.append(("decode_activations", self.config.decode_activations))
         if self.kv_dtype != self.config.dtype:
             extra.append(("kv_cache_dtype", self.kv_cache_dtype))
         if self.layout.groups:  # pages of some layers each: a tier value of another shape

@@ -161,8 +161,8 @@ def prepare_context(engine: LLMEngine, model_name: str) -> PrepareContext:
 
 
 def replica_identity(engine: LLMEngine, publisher: KVEventPublisher | None) -> dict:
-    """Block size, namespace digest, KV dtype, tier medium and event endpoints (no tenant
-    data)."""
+    """Block size, namespace digest, KV dtype, decode activations, tier medium and event
+    endpoints (no tenant data)."""
     events = None
     if publisher is not None:
         events = {
@@ -174,6 +174,7 @@ def replica_identity(engine: LLMEngine, publisher: KVEventPublisher | None) -> d
         "block_size": engine.manager.block_size,
         "namespace_digest": engine.manager.root_digest.hex(),
         "kv_cache_dtype": engine.kv_cache_dtype,
+        "decode_activations": engine.config.decode_activations,
         "tier": None if engine.tier is None else engine.tier.client.medium,
         "kv_events": events,
     }

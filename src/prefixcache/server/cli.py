@@ -15,6 +15,7 @@ from prefixcache.cache.index import DEFAULT_INDEX, INDEX_NAMES
 from prefixcache.cache.policies import DEFAULT_POLICY, POLICY_NAMES
 from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.engine.config import (
+    DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_KV_LAYOUT,
@@ -135,6 +136,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run a GGUF's Q4/Q8_0 weights dequantized to fp32 (exact, slower decode; "
         "default: torch's int4 kernel, bf16 activations at each matmul)",
+    )
+    serve.add_argument(
+        "--decode-activations",
+        default="fp32",
+        choices=DECODE_ACTIVATIONS,
+        help="what a GGUF's decode kernels multiply the weights by: fp32 (exact) or int8 "
+        "(each 32 activations as int8 codes and a scale, as llama.cpp does: faster where the "
+        "kernels are vectorized, outputs differ from fp32 by that rounding; default %(default)s)",
     )
     serve.add_argument(
         "--weight-cache",
@@ -264,6 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 eviction_policy=args.eviction_policy,
                 index=args.index,
                 quantized_weights=not args.dequantize,
+                decode_activations=args.decode_activations,
                 zero_on_evict=args.zero_on_evict,
                 log_cache_keys=args.log_cache_keys,
                 kv_tier=args.kv_tier,

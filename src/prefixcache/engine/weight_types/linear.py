@@ -7,25 +7,29 @@ types at a time and their outputs concatenated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import groupby
 
 import torch
 
+from prefixcache.engine.config import DECODE_ACTIVATIONS
 from prefixcache.engine.weight_types.packed_weight import PackedWeight
 
 
 class PackedLinear:
-    """`y = x W^T` on one packed matrix (fp32 in and out: `PackedWeight.matmul`'s contract)."""
+    """`y = x W^T` on one packed matrix (fp32 in and out: `PackedWeight.matmul`'s contract,
+    with int8 activations in the decode kernel once `int8_activations` is set)."""
 
-    __slots__ = ("weight", "out_features")
+    __slots__ = ("weight", "out_features", "int8_activations")
 
     def __init__(self, weight: PackedWeight) -> None:
         self.weight = weight
         self.out_features = weight.shape[0]
+        self.int8_activations = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight.matmul(x.float().contiguous()).to(x.dtype)
+        y = self.weight.matmul(x.float().contiguous(), int8_activations=self.int8_activations)
+        return y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -54,3 +58,24 @@ def packed_linear(parts: Sequence[PackedWeight]) -> PackedLinear | ConcatLinear:
     runs = [PackedWeight.cat(list(run)) for _, run in groupby(parts, key=lambda p: p.wtype)]
     linears = [PackedLinear(run) for run in runs]
     return linears[0] if len(linears) == 1 else ConcatLinear(linears)
+
+
+def set_decode_activations(modules: Iterable[object], activations: str) -> None:
+    """Every packed projection among `modules`' attributes (a model and its layers) runs its
+    decode kernel on `activations` ("fp32": exact; "int8": `kernels/gguf_int8.h`)."""
+    if activations not in DECODE_ACTIVATIONS:
+        raise ValueError(
+            f"decode_activations {activations!r} is not one of {', '.join(DECODE_ACTIVATIONS)}"
+        )
+    for module in modules:
+        for value in vars(module).values():
+            parts = value.parts if isinstance(value, ConcatLinear) else (value,)
+            for part in parts:
+                if isinstance(part, PackedLinear):
+                    part.int8_activations = activations == "int8"
+
+
+def runs_int8(linear: object) -> bool:
+    """Whether a projection's decode kernel takes int8 activations (`set_decode_activations`)."""
+    parts = linear.parts if isinstance(linear, ConcatLinear) else (linear,)
+    return any(isinstance(p, PackedLinear) and p.int8_activations for p in parts)
