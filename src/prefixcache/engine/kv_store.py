@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
+import mmap
 import warnings
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from prefixcache.engine import kernels
@@ -230,10 +230,17 @@ class KVStore:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros from calloc (via numpy): the OS hands out zeroed pages as they are first touched,
-    so a GiB pool costs nothing at start-up (torch.zeros writes every byte now)."""
+    """Zeros from an anonymous mapping: the OS hands out zeroed pages as they are first
+    touched, so a GiB pool costs nothing at start-up (torch.zeros writes every byte now).
+    Not numpy's zeros: numpy asks for transparent huge pages (MADV_HUGEPAGE) on large arrays,
+    and where the kernel then compacts memory to find each 2 MB page (its default
+    defrag=madvise), the first write into each 2 MB of the pool stalled ~25 ms (a 512 MB
+    pool's first touch: 6.0 s against 0.35 s, docs/benchmarks.md, issue 36)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
