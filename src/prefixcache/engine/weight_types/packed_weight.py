@@ -59,7 +59,8 @@ class PackedWeight:
             raise ValueError(
                 f"{name}: {data.size} bytes, but {wtype.name} [{out}, {num_in}] needs {expected}"
             )
-        blocks = torch.from_numpy(data.reshape(out, -1).copy())
+        blocks = torch.empty((out, wtype.row_bytes(num_in)), dtype=torch.uint8)
+        blocks.numpy()[...] = data.reshape(out, -1)  # torch's memory: see kv_store._zeros
         return cls(blocks, wtype, (out, num_in), name)
 
     @property
