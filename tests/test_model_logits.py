@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from prefixcache.engine import attention
 from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
@@ -186,6 +187,25 @@ def test_chunked_prefill(pair: Pair) -> None:
         start = seq.computed
         (logits,) = runner.step([(seq, chunk)])
         _close(logits, ref[start : start + chunk])
+
+
+def test_a_long_chunk_after_a_prefix_attends_in_two_parts(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of >= MIN_SPLIT_QUERIES new tokens after computed ones attends to its prefix
+    unmasked and to its own tokens causally, merged by log-sum-exp (lowered here so that a
+    tiny chunk takes it): the same logits as HF, and as the one-mask path."""
+    monkeypatch.setattr(attention, "MIN_SPLIT_QUERIES", 8)
+    runner = Runner(pair, seed=3)
+    seq = runner.new_seq(_tokens(40, 6))
+    ref = hf_logits(pair, seq.tokens)
+    runner.step([(seq, 13)])
+    masked = runner.forward([(seq, 7)])[0]  # under the threshold: one mask
+    assert runner.metadata.prefills[0].prefix_keys == 0
+    (logits,) = runner.step([(seq, 27)])
+    assert runner.metadata.prefills[0].prefix_keys == 13
+    _close(logits, ref[13:])
+    assert (logits[:7] - masked).abs().max().item() < 3e-5
 
 
 def test_batched_decode_of_different_lengths(pair: Pair) -> None:
