@@ -100,26 +100,32 @@ def _reference_logprobs(reference: torch.nn.Module, ids: list[int]) -> torch.Ten
     return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def test_prompt_logprobs_match_transformers_through_the_server(served, reference, text_ids):
+@pytest.fixture(scope="module")
+def expected_logprobs(reference: torch.nn.Module, text_ids: list[int]) -> torch.Tensor:
+    """transformers' logprob of each token of `text_ids` after the ones before it (float64)."""
+    return _reference_logprobs(reference, text_ids).double()
+
+
+def test_prompt_logprobs_match_transformers_through_the_server(served, expected_logprobs, text_ids):
     body = {"model": "gemma-3-270m", "prompt": text_ids, "max_tokens": 1, "echo": True}
     response = loopback.post(f"{served}/v1/completions", json={**body, "logprobs": 1}, timeout=300)
     assert response.status_code == 200, response.text
     served_logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"]
     ours = torch.tensor(served_logprobs[1 : len(text_ids)], dtype=torch.float64)
-    expected = _reference_logprobs(reference, text_ids).double()
+    expected = expected_logprobs
     worst = (ours - expected).abs().max().item()
     assert worst < LOGPROB_TOL, f"max logprob deviation {worst:.4f} nats"
     ppl_ours, ppl_ref = (-ours.mean()).exp().item(), (-expected.mean()).exp().item()
     assert abs(ppl_ours / ppl_ref - 1) < 0.01, (ppl_ours, ppl_ref)
 
 
-def test_int8_activations_keep_perplexity_within_one_percent(gemma, reference, text_ids):
+def test_int8_activations_keep_perplexity_within_one_percent(gemma, expected_logprobs, text_ids):
     config = EngineConfig(num_kv_blocks=160, decode_activations="int8", max_num_batched_tokens=64)
     engine = LLMEngine(gemma, config)
     engine.add_request("p", text_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
     scored = run_to_completion(engine)["p"].prompt_logprobs[1:]
     ours = torch.tensor([lp.logprob for lp in scored], dtype=torch.float64)
-    expected = _reference_logprobs(reference, text_ids).double()
+    expected = expected_logprobs
     worst = (ours - expected).abs().max().item()
     assert 0 < worst < INT8_LOGPROB_TOL, f"max logprob deviation {worst:.4f} nats"
     ppl_ours, ppl_ref = (-ours.mean()).exp().item(), (-expected.mean()).exp().item()
