@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -64,8 +65,14 @@ def descendants(pid: int) -> dict[int, str]:
 
 def survivors(processes: dict[int, str]) -> list[str]:
     """Those of ``processes`` (pid -> command line) still running as the same command (their
-    own /proc entries only: the loops that poll this would read every process's otherwise)."""
-    return [command for pid, command in processes.items() if (_entry(pid) or (0, ""))[1] == command]
+    own /proc entries only: the loops that poll this would read every process's otherwise).
+    An empty command line names nothing (a process caught mid-exit reads ""; its pid may then
+    go to a kernel thread, which reads "" too, and was once counted as left running)."""
+    return [
+        command
+        for pid, command in processes.items()
+        if command and (_entry(pid) or (0, ""))[1] == command
+    ]
 
 
 def send(process: subprocess.Popen, sig: int, to_group: bool) -> None:
@@ -88,3 +95,15 @@ def exit_within(process: subprocess.Popen, timeout: float) -> tuple[int | str, f
         process.kill()
         process.wait()
         return "hang", timeout
+
+
+def serve_usage_error(*flags: str) -> str:
+    """`prefixcache serve` with ``flags`` exits 2 without a traceback: its last stderr line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixcache.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return done.stderr.strip().splitlines()[-1]
