@@ -28,6 +28,7 @@ from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight, WeightType
 from prefixcache.engine.weight_types.random_blocks import random_blocks
 from prefixcache.engine.weights import load_model
+from process_fixtures import serve_usage_error
 
 TYPES = {t.name: t for t in WEIGHT_TYPES.values()}
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -110,14 +111,7 @@ def test_rows_past_the_decode_limit_and_other_types_keep_fp32(native: None) -> N
 def test_an_unknown_decode_activation_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="decode_activations 'int4' is not one of fp32, int8"):
         LLMEngine(load_model(), EngineConfig(num_kv_blocks=16, decode_activations="int4"))
-    done = subprocess.run(
-        [sys.executable, "-m", "prefixcache.cli", "serve", "--decode-activations", "int4"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+    last = serve_usage_error("--decode-activations", "int4")
     assert "--decode-activations" in last and "'int4'" in last and "fp32" in last
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from functools import cache
 
 import pytest
@@ -21,6 +19,7 @@ from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.tier import TierValueError, decode_value, encode_value
 from prefixcache.tier.seal import TierKeys
+from process_fixtures import serve_usage_error
 
 DTYPES = ("float32", "bfloat16", "int8")
 TEXT = (
@@ -284,14 +283,7 @@ def test_health_names_the_kv_dtype_and_it_changes_the_namespace() -> None:
 
 
 def test_a_bad_kv_cache_dtype_is_a_one_line_usage_error() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "prefixcache.cli", "serve", "--kv-cache-dtype", "fp8"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+    last = serve_usage_error("--kv-cache-dtype", "fp8")
     assert "--kv-cache-dtype" in last and "'fp8'" in last
     assert all(name in last for name in DTYPES)
 
