@@ -34,6 +34,7 @@ SOURCES = (
     "ops.cpp",
     "decode_layer.cpp",
     "decode_layer.h",
+    "gguf_avx2.h",
     "gguf_blocks.h",
     "gguf_int8.h",
     "gguf_matmul.cpp",

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "gguf_avx2.h"
 #include "gguf_blocks.h"
 
 namespace prefixcache::gguf::int8 {
@@ -48,7 +49,8 @@ inline void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float*
   }
 }
 
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+using avx2::load32;
+using avx2::sum_lanes;
 inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 
 // 32 nibbles from 16 bytes in natural order: the low nibbles (values 0..15), then the high.
@@ -64,6 +66,11 @@ inline __m256i sixteen_where(uint32_t bits) {
   const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), bytes(16));
+}
+
+// Q5_0/Q5_1's 5-bit codes: the nibbles at `qs` plus 16 where bit j of the 4 bytes at `qh` is set.
+inline __m256i five_bit_codes(const uint8_t* qs, const uint8_t* qh) {
+  return _mm256_or_si256(nibbles16(qs), sixteen_where(detail::u32_at(qh)));
 }
 
 // One group of 32 weights: codes q (signed, |q| <= 128; or unsigned, q < 64), the scale of
@@ -100,8 +107,7 @@ struct Q5_0 {
   using State = NoState;
   static Group group(const uint8_t* b, const State&, int) {
     const float d = detail::half_at(b);
-    const __m256i q = _mm256_or_si256(nibbles16(b + 6), sixteen_where(detail::u32_at(b + 2)));
-    return {_mm256_sub_epi8(q, bytes(16)), d, d, 0.0f};
+    return {_mm256_sub_epi8(five_bit_codes(b + 6, b + 2), bytes(16)), d, d, 0.0f};
   }
 };
 
@@ -111,8 +117,7 @@ struct Q5_1 {
   using State = NoState;
   static Group group(const uint8_t* b, const State&, int) {
     const float d = detail::half_at(b);
-    const __m256i q = _mm256_or_si256(nibbles16(b + 8), sixteen_where(detail::u32_at(b + 4)));
-    return {q, d, d, detail::half_at(b + 2)};
+    return {five_bit_codes(b + 8, b + 4), d, d, detail::half_at(b + 2)};
   }
 };
 
@@ -168,12 +173,6 @@ struct Q6_K {
   }
 };
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // The 8 int32 sums of 4 products each of codes `w` (unsigned, or with `Signed` signed) and
 // activation codes `x`: lane i covers values 4i..4i+3.
 template <bool Signed>
@@ -184,19 +183,17 @@ inline __m256 products(__m256i w, __m256i w_abs, __m256i x) {
 }
 
 // y[t, r] = W[r] . x^[t] for `Rows` activation rows and output rows [first, last): each group
-// decoded once, then per row one integer dot and one FMA (two sums a row up to 2 rows).
+// decoded once, then per row one integer dot and one FMA into the row's one sum (two sums a
+// row, picked by a runtime index, kept them out of registers: 1.2x over fp32, not 1.56x).
 template <class D, int Rows>
 void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const Activations& x,
               int64_t first, int64_t last, float* y, int64_t out) {
-  constexpr int kSums = 1;
   constexpr bool kSplit = std::is_same_v<D, Q6_K>;  // two scales a group
   const int64_t blocks = in / D::kValues;
   for (int64_t r = first; r < last; ++r) {
-    __m256 acc[Rows][kSums];
-    float mins[Rows][kSums] = {};
-    for (int t = 0; t < Rows; ++t) {
-      for (int s = 0; s < kSums; ++s) acc[t][s] = _mm256_setzero_ps();
-    }
+    __m256 acc[Rows];
+    float mins[Rows] = {};
+    for (int t = 0; t < Rows; ++t) acc[t] = _mm256_setzero_ps();
     const uint8_t* block = w + r * row_bytes;
     int64_t g = 0;
     for (int64_t b = 0; b < blocks; ++b, block += D::kBytes) {
@@ -204,24 +201,18 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const Activations
       for (int p = 0; p < D::kParts; ++p, ++g) {
         const Group c = D::group(block, state, p);
         const __m256i w_abs = D::kSigned ? _mm256_sign_epi8(c.q, c.q) : c.q;
-        const int s = static_cast<int>(g % kSums);
         for (int t = 0; t < Rows; ++t) {
           const int64_t at = t * x.groups + g;
           const __m256i codes = load32(reinterpret_cast<const uint8_t*>(x.q + at * 32));
           const __m256 dot = products<D::kSigned>(c.q, w_abs, codes);
           const __m256 scale = kSplit ? _mm256_set_m128(_mm_set1_ps(c.a_high * x.d[at]), _mm_set1_ps(c.a_low * x.d[at]))
                                       : _mm256_set1_ps(c.a_low * x.d[at]);
-          acc[t][s] = _mm256_fmadd_ps(scale, dot, acc[t][s]);
-          if constexpr (!D::kSigned) mins[t][s] += c.min * x.sum[at];
+          acc[t] = _mm256_fmadd_ps(scale, dot, acc[t]);
+          if constexpr (!D::kSigned) mins[t] += c.min * x.sum[at];
         }
       }
     }
-    for (int t = 0; t < Rows; ++t) {
-      __m256 sum = acc[t][0];
-      float minimum = mins[t][0];
-      for (int s = 1; s < kSums; ++s) sum = _mm256_add_ps(sum, acc[t][s]), minimum += mins[t][s];
-      y[t * out + r] = sum_lanes(sum) + minimum;
-    }
+    for (int t = 0; t < Rows; ++t) y[t * out + r] = sum_lanes(acc[t]) + mins[t];
   }
 }
 

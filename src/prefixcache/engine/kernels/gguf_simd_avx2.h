@@ -10,6 +10,7 @@
 #define PREFIXCACHE_GGUF_AVX2 1
 #include <immintrin.h>
 
+#include "gguf_avx2.h"
 #include "gguf_blocks.h"
 
 namespace prefixcache::gguf::simd {
@@ -20,7 +21,7 @@ using Part = __m256[4];  // one part's 32 values, lane i of v[k] = value 4i + k 
 // byte shuffles (AVX2's widening converts all share one port, which bound the kernel): lane i
 // holds bytes 4i..4i+3, so a shift by 8k leaves value 4i + k in lane i. The nibble types load
 // their 16 bytes into both halves: the high half's lanes take the high nibbles (values 16+).
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+using avx2::load32;
 inline __m256i load16_twice(const uint8_t* p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -262,11 +263,7 @@ void interleave(const float* x, int64_t stride, int64_t rows, int64_t in, float*
   }
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using avx2::sum_lanes;
 
 // y[t, r] = W[r] . x[t] for `Rows` interleaved activation rows and output rows [first, last):
 // each part decoded once into registers, then one FMA per register and row; few rows keep
