@@ -238,9 +238,8 @@ class LLMEngine:
         """What else changes the KV values: the kernel quantized weights run on ("int4" or
         "gguf") and its activations if not fp32, a KV dtype other than the model's (so digests
         stay as they were without one, and KV of another dtype is never looked up, in the tier
-        or by a router), a hybrid
-        layout (whose tier values are pages of some layers, and whose blocks may lack window
-        pages)."""
+        or by a router), a hybrid layout (whose tier values are pages of some layers, and whose
+        blocks may lack window pages)."""
         extra = [("weights", weights_kernel(self.model))] if self.int4_weights else []
         if self.int4_weights and self.config.decode_activations != "fp32":
             extra.append(("decode_activations", self.config.decode_activations))

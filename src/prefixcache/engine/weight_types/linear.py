@@ -60,6 +60,11 @@ def packed_linear(parts: Sequence[PackedWeight]) -> PackedLinear | ConcatLinear:
     return linears[0] if len(linears) == 1 else ConcatLinear(linears)
 
 
+def packed_parts(linear: object) -> tuple[object, ...]:
+    """A projection's parts: a `ConcatLinear`'s, else the projection itself."""
+    return linear.parts if isinstance(linear, ConcatLinear) else (linear,)
+
+
 def set_decode_activations(modules: Iterable[object], activations: str) -> None:
     """Every packed projection among `modules`' attributes (a model and its layers) runs its
     decode kernel on `activations` ("fp32": exact; "int8": `kernels/gguf_int8.h`)."""
@@ -69,13 +74,11 @@ def set_decode_activations(modules: Iterable[object], activations: str) -> None:
         )
     for module in modules:
         for value in vars(module).values():
-            parts = value.parts if isinstance(value, ConcatLinear) else (value,)
-            for part in parts:
+            for part in packed_parts(value):
                 if isinstance(part, PackedLinear):
                     part.int8_activations = activations == "int8"
 
 
 def runs_int8(linear: object) -> bool:
     """Whether a projection's decode kernel takes int8 activations (`set_decode_activations`)."""
-    parts = linear.parts if isinstance(linear, ConcatLinear) else (linear,)
-    return any(isinstance(p, PackedLinear) and p.int8_activations for p in parts)
+    return any(isinstance(p, PackedLinear) and p.int8_activations for p in packed_parts(linear))
