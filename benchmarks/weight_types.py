@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.engine import kernels, quant
-from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight, WeightType
+from prefixcache.engine.weight_types import WEIGHT_TYPES_BY_NAME, PackedWeight, WeightType
 from prefixcache.engine.weight_types.random_blocks import random_blocks
 
 SHAPES = ((2048, 640), (640, 2048), (1024, 640), (640, 1024))  # [out, in]
 DEFAULT_TYPES = ("Q5_0", "Q4_K", "Q6_K", "Q8_0")
 PREFILL_ROWS = 256
 COLD_BYTES = 96 << 20
-TYPES = {t.name: t for t in WEIGHT_TYPES.values()}
+TYPES = WEIGHT_TYPES_BY_NAME
 
 
 def seconds(call: Callable[[], object], repeats: int) -> float:

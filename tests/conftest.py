@@ -36,6 +36,14 @@ if "torch" in sys.modules:  # imported before this file: too late for the variab
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="module")
+def native() -> None:
+    """The native kernels must load here (the machine has a compiler)."""
+    from prefixcache.engine import kernels
+
+    assert kernels.available(), "the native kernels did not build (see the log)"
+
+
 @pytest.fixture
 def make_manager() -> Iterator[Callable[..., KVCacheManager]]:
     """Factory for managers; at teardown each must be full again and pass its checks."""

@@ -25,12 +25,12 @@ from ports import free_port
 from prefixcache.engine import kernels
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight, WeightType
+from prefixcache.engine.weight_types import WEIGHT_TYPES_BY_NAME, PackedWeight, WeightType
 from prefixcache.engine.weight_types.random_blocks import random_blocks
 from prefixcache.engine.weights import load_model
 from process_fixtures import serve_usage_error
 
-TYPES = {t.name: t for t in WEIGHT_TYPES.values()}
+TYPES = WEIGHT_TYPES_BY_NAME
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # The affine types' code bytes (a weight is a q + m): zeroed, a block dequantizes to its m.
 CODE_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q4_K": (16, 144), "Q5_K": (16, 176)}
@@ -59,11 +59,6 @@ def minimums(raw: np.ndarray, wtype: WeightType, shape: tuple[int, int]) -> torc
     blocks[..., start:stop] = 0
     zeroed = PackedWeight.from_gguf(blocks.reshape(shape[0], -1), wtype.code, shape)
     return zeroed.dequantize().double()
-
-
-@pytest.fixture(scope="module")
-def native() -> None:
-    assert kernels.available(), "the native kernels did not build (see the log)"
 
 
 def test_the_int8_kernels_exist_wherever_avx2_does(native: None) -> None:

@@ -13,17 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine import kernels
 from prefixcache.engine.models.llama import rms_norm
 
-pytestmark = pytest.mark.quick
+pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("native")]
 
 EPS = 1e-6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def native() -> None:
-    assert kernels.available(), "the native kernels must build for the tests"
 
 
 def _exact(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
-from prefixcache.engine.weight_types import WEIGHT_TYPES, PackedWeight
+from prefixcache.engine.weight_types import WEIGHT_TYPES_BY_NAME, PackedWeight
 from prefixcache.engine.weight_types.random_blocks import random_blocks
 
 
@@ -52,7 +52,7 @@ def test_the_kv_pool_is_not_on_huge_page_advice() -> None:
 
 
 def test_packed_weights_are_not_on_huge_page_advice() -> None:
-    q8 = next(t for t in WEIGHT_TYPES.values() if t.name == "Q8_0")
+    q8 = WEIGHT_TYPES_BY_NAME["Q8_0"]
     weight = PackedWeight.from_gguf(random_blocks(q8, 16384, 512), q8.code, (16384, 512))
     assert weight.nbytes >= 8 << 20
     assert "hg" not in vm_flags(weight.blocks)

@@ -5,7 +5,12 @@ Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); `kernels/gguf_blocks.h` decodes
 blocks and `kernels/gguf_matmul.cpp` multiplies by them.
 """
 
-from prefixcache.engine.weight_types.formats import WEIGHT_TYPES, WeightType, weight_type
+from prefixcache.engine.weight_types.formats import (
+    WEIGHT_TYPES,
+    WEIGHT_TYPES_BY_NAME,
+    WeightType,
+    weight_type,
+)
 from prefixcache.engine.weight_types.packed_weight import PackedWeight
 
-__all__ = ["WEIGHT_TYPES", "PackedWeight", "WeightType", "weight_type"]
+__all__ = ["WEIGHT_TYPES", "WEIGHT_TYPES_BY_NAME", "PackedWeight", "WeightType", "weight_type"]

@@ -37,6 +37,7 @@ def _weight_type(name: str) -> WeightType:
 
 
 WEIGHT_TYPES: dict[int, WeightType] = {t.code: t for t in map(_weight_type, _SCALE_OFFSETS)}
+WEIGHT_TYPES_BY_NAME: dict[str, WeightType] = {t.name: t for t in WEIGHT_TYPES.values()}
 
 
 def weight_type(ggml_type: int, tensor: str = "tensor") -> WeightType:
