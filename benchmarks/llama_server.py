@@ -31,6 +31,10 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=ON",
 )
+# Every start of the server passes these: ggml's AMX/AVX-512 weight repacking dies with an
+# illegal instruction on the AMX machines here (the VM does not grant the AMX tile state),
+# so llama.cpp runs its plain AVX-512 kernels.
+RUN_FLAGS = ("--no-repack",)
 
 
 def cache_root() -> Path:

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 import tokenize_peers
-from llama_server import ensure_built
+from llama_server import RUN_FLAGS, ensure_built
 from servers import free_port, interrupt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def llama_server(
     def start(port: int) -> subprocess.Popen:
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
         command += ["-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", str(slots)]
-        command += ["--no-repack", *extra]
+        command += [*RUN_FLAGS, *extra]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     return start

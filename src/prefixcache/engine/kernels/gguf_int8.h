@@ -197,6 +197,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const Activations
     const uint8_t* block = w + r * row_bytes;
     int64_t g = 0;
     for (int64_t b = 0; b < blocks; ++b, block += D::kBytes) {
+      prefetch_ahead<D::kBytes>(block);
       const typename D::State state(block);
       for (int p = 0; p < D::kParts; ++p, ++g) {
         const Group c = D::group(block, state, p);
