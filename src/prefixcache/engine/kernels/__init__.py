@@ -197,11 +197,12 @@ def available() -> bool:
 def simd_decoders() -> bool:
     """The native GGUF decoders are vectorized here (AVX2 or AVX-512): a packed matrix's
     one-row product then runs near memory speed (`kernels/gguf_simd*.h`)."""
-    return available() and _decoders() != "portable"
+    return available() and decoders() != "portable"
 
 
 @functools.cache
-def _decoders() -> str:
-    """The loaded library's decoders (`gguf_simd()`): fixed once it is loaded, and asked on
-    every packed matmul (`packed_weight.max_decode_rows`), so the op is called once."""
+def decoders() -> str:
+    """The loaded library's decoders, "avx512", "avx2" or "portable" (`gguf_simd()`): fixed
+    once it is loaded, and asked on every packed matmul (`packed_weight.max_decode_rows`),
+    so the op is called once. The library must be available."""
     return torch.ops.prefixcache.gguf_simd()

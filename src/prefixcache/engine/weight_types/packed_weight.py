@@ -20,18 +20,22 @@ from prefixcache.engine import kernels
 from prefixcache.engine.weight_types.formats import WeightType, weight_type
 
 # Up to this many activation rows the decode kernel runs (8 rows a pass, each pass decoding
-# the weights again); above it, the matrix decoded into fp32 goes through sgemm. With
-# vectorized decoders the crossover is ~96-128 rows (`benchmarks/weight_types.py
-# --crossover`): decoding a whole matrix into fp32 costs ~2.5 ms a SmolLM2 layer whatever
-# the rows, so 48-96-token chunks (100 ms steps) ran at 284-314 tok/s with a limit of 32 and
-# run at 373-394 with 128. The portable decoders keep 32: each pass there is slow.
-MAX_DECODE_ROWS = 128
-MAX_PORTABLE_DECODE_ROWS = 32
+# the weights again); above it, the matrix decoded into fp32 goes through sgemm. Where they
+# cross depends on the vector unit (`kernels.decoders()`), measured with a model's weights
+# cold, on chunks of prompts:
+# - AVX2 (an AMD EPYC, Zen 3): ~96-128 rows. Decoding a whole matrix into fp32 costs ~2.5 ms
+#   a SmolLM2 layer whatever the rows, so 48-96-token chunks (100 ms steps) ran at 284-314
+#   tok/s with a limit of 32 and at 373-394 with 128.
+# - AVX-512 (a 2-core KVM Xeon with AMX): ~32-48 rows; sgemm runs twice as fast there. A
+#   SmolLM2 prompt in chunks beside a stream prefilled 472 tok/s with a limit of 128 and
+#   528 with 32 (100 ms steps, ~55-token chunks), 522 and 672-746 (150 ms, ~100 tokens).
+# - The portable decoders: 32, each pass there is slow.
+MAX_DECODE_ROWS = {"avx2": 128, "avx512": 32, "portable": 32}
 
 
 def max_decode_rows() -> int:
     """The row limit of the decode kernel on this CPU (the eager and fused paths share it)."""
-    return MAX_DECODE_ROWS if kernels.simd_decoders() else MAX_PORTABLE_DECODE_ROWS
+    return MAX_DECODE_ROWS[kernels.decoders() if kernels.available() else "portable"]
 
 
 class PackedWeight:
