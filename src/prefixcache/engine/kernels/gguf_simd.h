@@ -194,8 +194,8 @@ void interleave(const float* x, int64_t stride, int64_t rows, int64_t in, float*
 // each part decoded once into registers, then one FMA per row (two sums a row up to 4 rows,
 // for the FMA latency; one above, where the rows give enough independent sums).
 template <class D, int Rows>
-void dot_rows1(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
-               int64_t first, int64_t last, float* y, int64_t out) {
+void dot_each_row(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
+                  int64_t first, int64_t last, float* y, int64_t out) {
   constexpr int kSums = Rows <= 4 ? 2 : 1;
   const int64_t blocks = in / D::kValues;
   for (int64_t r = first; r < last; ++r) {
@@ -224,14 +224,14 @@ void dot_rows1(const uint8_t* w, int64_t row_bytes, int64_t in, const float* pac
   }
 }
 
-// Two output rows at a time from 4 activation rows up: each activation load feeds two FMAs
-// (one load an FMA kept the 8-row kernel at about one FMA a cycle, the activations of a
-// 2,048-wide matrix coming from L2).
+// dot_each_row, but two output rows at a time from 4 activation rows up: each activation
+// load feeds two FMAs (one load an FMA kept the 8-row kernel at about one FMA a cycle, the
+// activations of a 2,048-wide matrix coming from L2); an odd last row goes alone.
 template <class D, int Rows>
 void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const float* packed,
               int64_t first, int64_t last, float* y, int64_t out) {
   if constexpr (Rows < 4) {
-    dot_rows1<D, Rows>(w, row_bytes, in, packed, first, last, y, out);
+    dot_each_row<D, Rows>(w, row_bytes, in, packed, first, last, y, out);
   } else {
     const int64_t blocks = in / D::kValues;
     int64_t r = first;
@@ -261,7 +261,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const float* pack
         y[t * out + r + 1] = _mm512_reduce_add_ps(acc1[t]);
       }
     }
-    if (r < last) dot_rows1<D, Rows>(w, row_bytes, in, packed, r, last, y, out);
+    if (r < last) dot_each_row<D, Rows>(w, row_bytes, in, packed, r, last, y, out);
   }
 }
 
