@@ -26,11 +26,12 @@ from prefixcache.engine.weight_types.formats import WeightType, weight_type
 # - AVX2 (an AMD EPYC, Zen 3): ~96-128 rows. Decoding a whole matrix into fp32 costs ~2.5 ms
 #   a SmolLM2 layer whatever the rows, so 48-96-token chunks (100 ms steps) ran at 284-314
 #   tok/s with a limit of 32 and at 373-394 with 128.
-# - AVX-512 (a 2-core KVM Xeon with AMX): ~32-48 rows; sgemm runs twice as fast there. A
-#   SmolLM2 prompt in chunks beside a stream prefilled 472 tok/s with a limit of 128 and
-#   528 with 32 (100 ms steps, ~55-token chunks), 522 and 672-746 (150 ms, ~100 tokens).
+# - AVX-512 (a 2-core KVM Xeon with AMX): ~48 rows; sgemm runs twice as fast there. A SmolLM2
+#   prompt in chunks beside a stream prefilled, with limits of 32 / 48 / 64 / 128 rows:
+#   397-415 / 431-457 / 448-459 / - tok/s in 60 ms steps (~30-45-token chunks), 528-552 /
+#   520 / 505-512 / 472 in 100 ms steps, 672 / 744 / 674-746 / 522 in 150 ms steps.
 # - The portable decoders: 32, each pass there is slow.
-MAX_DECODE_ROWS = {"avx2": 128, "avx512": 32, "portable": 32}
+MAX_DECODE_ROWS = {"avx2": 128, "avx512": 48, "portable": 32}
 
 
 def max_decode_rows() -> int:
