@@ -11,9 +11,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The step time target we measured (docs/benchmarks.md, benchmarks/http_scheduling.py). On
 # the first AVX-512 machine, of 50, 100, 250 and 500 ms, 100 kept a long prompt behind cached
 # ones within 1.2x and cut agents' TTFT beside a flood 2x against 250. On a 2-core KVM Xeon
-# (2026-12-05), of 60, 80, 100 and 150 ms over 3-4 runs, 60 met the agents' TTFT p95 (<= 2x)
-# and the stream's gap p99 (<= 10x) in every run and the p50 (<= 1.5x) in two of three,
-# where 100 met the gap in one run of four and the p50 in one; the flood kept 0.73-0.83x of
+# (2026-12-05), of 60, 80, 100 and 150 ms over 4-5 runs, 60 met the agents' TTFT p95 (<= 2x)
+# and the stream's gap p99 (<= 10x) in every run and the p50 (<= 1.5x) in three of four,
+# where 100 met the gap in one run of five and the p50 in one; the flood kept 0.73-0.83x of
 # token-only steps at 60 and 0.71-0.80x at 100. `prefixcache serve`'s default; an
 # `EngineConfig` has none unless given one: chunk sizes then follow measured
 # times, so under concurrency a prompt's prefill may take the int4 kernels' small-batch path
