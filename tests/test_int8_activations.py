@@ -35,7 +35,7 @@ TYPES = WEIGHT_TYPES_BY_NAME
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # The affine types' code bytes (a weight is a q + m): zeroed, a block dequantizes to its m.
 CODE_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q4_K": (16, 144), "Q5_K": (16, 176)}
-ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows; and the decode kernel's limit
+ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows (the test adds the kernel's limit)
 UNIT = 2.0**-24
 CACHE_TOL = 0.25  # nats: caching on against off, int8 activations (measured 0.04-0.1)
 

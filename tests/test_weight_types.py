@@ -22,8 +22,9 @@ from prefixcache.engine.weight_types.random_blocks import random_blocks
 
 TYPES = WEIGHT_TYPES_BY_NAME
 DECODE_ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows
-PREFILL_ROWS = (32, 33, 48, 128, 129, 200)  # the decode kernel up to max_decode_rows() (32-128 by
-# the CPU's vector unit), sgemm past it: both sides of every limit
+# The decode kernel up to max_decode_rows() (32 portable, 48 AVX-512, 128 AVX2), sgemm past
+# it: both sides of every limit
+PREFILL_ROWS = (32, 33, 48, 49, 128, 129, 200)
 UNIT = 2.0**-24
 
 
