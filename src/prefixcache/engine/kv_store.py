@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 import warnings
 from collections.abc import Sequence
 
 import torch
 
 from prefixcache.engine import kernels
+from prefixcache.engine.anonymous_memory import anonymous_zeros
 from prefixcache.engine.config import KV_CACHE_DTYPES, ModelConfig
 from prefixcache.engine.kv_layout import KVLayout
 from prefixcache.engine.kv_quant import (
@@ -66,7 +65,7 @@ class KVStore:
         self.row_width = packed_width(head_dim) if dtype == torch.int8 else head_dim
         shape = (num_blocks, 2, block_size, num_kv_heads, self.row_width)
         self.pages: list[torch.Tensor] = [  # the physical tensors: a page's layers
-            _zeros(shape, self.storage_dtype) for _ in range(max(slots) + 1)
+            anonymous_zeros(shape, self.storage_dtype) for _ in range(max(slots) + 1)
         ]
         self.layers: list[torch.Tensor] = [self.pages[slot] for slot in slots]
         self._memo: dict[int, RowPairs] = {}
@@ -227,20 +226,6 @@ class KVStore:
         ids = torch.tensor(list(block_ids), dtype=torch.long)
         for cache in self.pages:
             cache.index_fill_(0, ids, 0.0)
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros from an anonymous mapping: the OS hands out zeroed pages as they are first
-    touched, so a GiB pool costs nothing at start-up (torch.zeros writes every byte now).
-    Not numpy's zeros: numpy asks for transparent huge pages (MADV_HUGEPAGE) on large arrays,
-    and where the kernel then compacts memory to find each 2 MB page (its default
-    defrag=madvise), the first write into each 2 MB of the pool stalled ~25 ms (a 512 MB
-    pool's first touch: 6.0 s against 0.35 s, docs/benchmarks.md, issue 36)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def row_bytes(head_dim: int, dtype: torch.dtype) -> int:

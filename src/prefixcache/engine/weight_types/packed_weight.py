@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.engine import kernels
+from prefixcache.engine.anonymous_memory import anonymous_zeros
 from prefixcache.engine.weight_types.formats import WeightType, weight_type
 
 # Up to this many activation rows the decode kernel runs (8 rows a pass, each pass decoding
@@ -64,8 +65,8 @@ class PackedWeight:
             raise ValueError(
                 f"{name}: {data.size} bytes, but {wtype.name} [{out}, {num_in}] needs {expected}"
             )
-        blocks = torch.empty((out, wtype.row_bytes(num_in)), dtype=torch.uint8)
-        blocks.numpy()[...] = data.reshape(out, -1)  # torch's memory: see kv_store._zeros
+        blocks = anonymous_zeros((out, wtype.row_bytes(num_in)), torch.uint8)
+        blocks.numpy()[...] = data.reshape(out, -1)  # no huge-page advice: anonymous_memory
         return cls(blocks, wtype, (out, num_in), name)
 
     @property
