@@ -7,8 +7,9 @@ int4 kernel for 1 row, its dense bf16-rounded path for 256) and a dense fp32 `F.
 "hot" repeats one matrix (it stays in the 32 MB L3 here); "cold" cycles through copies
 totalling `COLD_BYTES`, as a model's decode step reads each weight once from memory. GB/s
 counts the bytes each kernel reads (the GGUF bytes; int4: packed codes and bf16 scale pairs;
-dense: fp32). `--crossover` times the decode kernel against the prefill one per row count
-instead (what `packed_weight.MAX_DECODE_ROWS` is set from). Run alone on the machine.
+dense: fp32). `--crossover` times the decode, panel and sgemm kernels per row count through
+stacks of model-shaped layers instead (what `packed_weight.ROW_LIMITS` is set from). Run alone
+on the machine.
 """
 
 from __future__ import annotations
@@ -110,38 +111,55 @@ def bench_dense(shape: tuple[int, int]) -> str:
     return row("dense fp32", nbytes, hot, cold, prefill, 2.0 * shape[0] * shape[1] * PREFILL_ROWS)
 
 
-def forced(weight: PackedWeight, x: torch.Tensor, max_decode_rows: int) -> torch.Tensor:
-    """`weight.matmul(x)` through the decode kernel (a large limit) or the prefill one (0)."""
+KERNEL_LIMITS = {"decode": (1 << 30, 1 << 30), "panel": (0, 1 << 30), "sgemm": (0, 0)}
+
+
+def forced(weight: PackedWeight, x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """`weight.matmul(x)` through one kernel whatever the row count (`KERNEL_LIMITS`)."""
     op = torch.ops.prefixcache.gguf_matmul
-    return op(x, weight.blocks, weight.wtype.code, weight.shape[1], max_decode_rows)
+    return op(x, weight.blocks, weight.wtype.code, weight.shape[1], *KERNEL_LIMITS[kernel])
 
 
-def crossover(types: list[str]) -> None:
-    """Decode kernel vs prefill kernel (ms) per row count, on both Gemma shapes they can take."""
-    for name in types:
-        for shape in ((640, 2048), (2048, 640)):
-            if shape[1] % TYPES[name].block_values:
-                continue
-            weight, cells = packed(TYPES[name], shape), []
-            for rows in (8, 16, 32, 48, 64, 128, 256):
-                x = torch.randn(rows, shape[1])
-                decode = seconds(lambda: forced(weight, x, 1 << 30), 10)  # noqa: B023 (called now)
-                prefill = seconds(lambda: forced(weight, x, 0), 10)  # noqa: B023
-                cells.append(f"{rows}: {decode * 1e3:.2f}/{prefill * 1e3:.2f}")
-            print(f"{name} {list(shape)} decode/prefill ms  " + "  ".join(cells))
+# Models' layers as [out, in] matrices and their types: the stacks `--crossover` runs through
+STACKS = {
+    "SmolLM2 (30 layers, Q4_1)": (30, (((960, 576), "Q4_1"), ((576, 576), "Q4_1"),
+                                       ((3072, 576), "Q4_1"), ((576, 1536), "Q4_1"))),
+    "Gemma 3 (18 layers, Q5_0/Q4_K/Q6_K)": (18, (((1536, 640), "Q5_0"), ((640, 1024), "Q4_K"),
+                                                 ((4096, 640), "Q5_0"), ((640, 2048), "Q6_K"))),
+}  # fmt: skip
+CROSSOVER_ROWS = (8, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def run_stack(layers: list[PackedWeight], xs: dict[int, torch.Tensor], kernel: str) -> None:
+    """Each layer's product with the rows of its width, through `kernel`."""
+    for w in layers:
+        forced(w, xs[w.shape[1]], kernel)
+
+
+def crossover() -> None:
+    """Each kernel (ms) per row count through a model's stack of layers, weights cold as in a
+    step: what `packed_weight.ROW_LIMITS` is set from."""
+    for title, (count, spec) in STACKS.items():
+        layers = [packed(TYPES[t], shape, seed) for seed in range(count) for shape, t in spec]
+        print(f"{title}: decode / panel / sgemm ms a pass")
+        for rows in CROSSOVER_ROWS:
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in layers}
+            times = [seconds(lambda: run_stack(layers, xs, k), 5) for k in KERNEL_LIMITS]  # noqa: B023
+            cells = [f"{t * 1e3:.1f}" for t in times]
+            print(f"  {rows:4d} rows: " + " / ".join(cells), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(DEFAULT_TYPES), help="comma-separated")
-    parser.add_argument("--crossover", action="store_true", help="decode vs prefill kernel")
+    parser.add_argument("--crossover", action="store_true", help="the kernels by row count")
     args = parser.parse_args()
     types = args.types.split(",")
     assert kernels.available(), "the native kernels did not build"
     simd = torch.ops.prefixcache.gguf_simd()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {simd} decoders")
     if args.crossover:
-        crossover(types)
+        crossover()
         return
     for shape in SHAPES:
         print(f"[{shape[0]} x {shape[1]}] (out x in), prefill {PREFILL_ROWS} rows")

@@ -10,7 +10,7 @@ from prefixcache.engine import kernels
 from prefixcache.engine.compute_threads import release_pool
 from prefixcache.engine.fused_decode import MAX_FUSED_ROWS, FusedWeights, fused_applies
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.engine.weight_types.packed_weight import max_decode_rows
+from prefixcache.engine.weight_types.packed_weight import row_limits
 
 PROMPTS = (
     "The capital of France is",
@@ -136,7 +136,7 @@ def _call_op(engine, keys: torch.Tensor, length: int, norms=None, types=None, wi
         torch.zeros(1, 576), layer_norms if norms is None else norms, w.packed, w.pairs,
         w.types if types is None else types, w.counts, w.biases, *rope, list(windows), [keys],
         [keys.clone()], [engine.kv_store.layers[0]], length, [torch.tensor([[0, 16]])],
-        layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale, False, max_decode_rows(),
+        layer.num_heads, layer.num_kv_heads, layer.eps, layer.scale, False, *row_limits(),
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from prefixcache.engine import kernels
 from prefixcache.engine.engine import EngineConfig, LLMEngine
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.weight_types import WEIGHT_TYPES_BY_NAME, PackedWeight, WeightType
-from prefixcache.engine.weight_types.packed_weight import max_decode_rows
+from prefixcache.engine.weight_types.packed_weight import row_limits
 from prefixcache.engine.weight_types.random_blocks import random_blocks
 from prefixcache.engine.weights import load_model
 from process_fixtures import serve_usage_error
@@ -35,7 +35,7 @@ TYPES = WEIGHT_TYPES_BY_NAME
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # The affine types' code bytes (a weight is a q + m): zeroed, a block dequantizes to its m.
 CODE_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q4_K": (16, 144), "Q5_K": (16, 176)}
-ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows (the test adds the kernel's limit)
+ROWS = (*range(1, 9), 20, 48)  # 20: passes of 8, 8 and 4 rows; 48: AVX-512's old limit
 UNIT = 2.0**-24
 CACHE_TOL = 0.25  # nats: caching on against off, int8 activations (measured 0.04-0.1)
 
@@ -81,11 +81,11 @@ def test_int8_matmul_is_the_product_with_the_rounded_activations(native: None, n
     dense = weight.dequantize().double()
     m = minimums(raw, wtype, shape)
     generator = torch.Generator().manual_seed(4)
-    for rows in (*ROWS, max_decode_rows()):
+    for rows in ROWS:
         x = torch.randn(rows, shape[1], generator=generator) * 3
         x[0, :32] = 0  # a group of zeros: scale 0, codes 0
         x_hat = quantized(x)
-        got = weight.matmul(x, int8_activations=True).double()
+        got = int8_matmul(weight, x).double()
         bound = shape[1] * UNIT * (x_hat.abs() @ ((dense - m).abs() + 2 * m.abs()).T)
         excess = (got - x_hat @ dense.T).abs() - bound
         assert excess.max() <= 0, f"{name}, {rows} rows: exceeds the bound by {excess.max():.3g}"
@@ -95,10 +95,19 @@ def test_int8_matmul_is_the_product_with_the_rounded_activations(native: None, n
         assert ((got - x.double() @ dense.T).abs() <= cost @ dense.abs().T + 2 * bound).all()
 
 
+def int8_matmul(weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    """`weight.matmul(x, int8_activations=True)` with the decode kernel taking all of x's rows
+    whatever this CPU's limit (`row_limits()`), so every row count meets the int8 kernel."""
+    op, rows = torch.ops.prefixcache.gguf_matmul, x.shape[0]
+    return op(x, weight.blocks, weight.wtype.code, weight.shape[1], rows, rows, True)
+
+
 def test_rows_past_the_decode_limit_and_other_types_keep_fp32(native: None) -> None:
-    """Prefill rows (past the decode kernel's limit) and a type without an int8 kernel give
-    the fp32 numbers."""
-    for name, rows in (("Q4_K", max_decode_rows() + 1), ("Q3_K", 3), ("F16", 2)):
+    """Rows past the decode kernel's limit (the panel kernel's or sgemm's) and a type without
+    an int8 kernel give the fp32 numbers."""
+    limits = row_limits()
+    cases = (("Q4_K", limits.decode + 1), ("Q4_K", limits.panel + 1), ("Q3_K", 3), ("F16", 2))
+    for name, rows in cases:
         wtype = TYPES[name]
         weight = PackedWeight.from_gguf(random_blocks(wtype, 40, 256), wtype.code, (40, 256))
         x = torch.randn(rows, 256)

@@ -18,13 +18,17 @@ from hf_fixtures import gguf_reader
 from prefixcache.engine import kernels
 from prefixcache.engine.weight_types import WEIGHT_TYPES_BY_NAME, PackedWeight, WeightType
 from prefixcache.engine.weight_types import packed_weight as packed_weight_module
+from prefixcache.engine.weight_types.packed_weight import ROW_LIMITS
 from prefixcache.engine.weight_types.random_blocks import random_blocks
 
 TYPES = WEIGHT_TYPES_BY_NAME
 DECODE_ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows
-# The decode kernel up to max_decode_rows() (32 portable, 48 AVX-512, 128 AVX2), sgemm past
-# it: both sides of every limit
-PREFILL_ROWS = (32, 33, 48, 49, 128, 129, 200)
+# Both sides of every row limit of every vector unit (packed_weight.ROW_LIMITS: decode kernel,
+# panel kernel, sgemm), and 200
+LIMIT_ROWS = tuple(sorted({r + e for rows in ROW_LIMITS.values() for r in rows for e in (0, 1)}))
+PREFILL_ROWS = (*LIMIT_ROWS, 200)
+# The panel kernel's partial and whole register groups of 16 (AVX-512) or 8 (AVX2) rows
+PANEL_ROWS = (9, 15, 16, 17, 31, 33, 47, 48, 49, 50, 65, 100)
 UNIT = 2.0**-24
 
 
@@ -43,10 +47,14 @@ def assert_same_bits(mine: torch.Tensor | np.ndarray, expected: np.ndarray) -> N
 
 def assert_matmul_within_bound(weight: PackedWeight, x: torch.Tensor) -> None:
     """`weight.matmul(x)` within the module docstring's bound of the exact float64 product."""
+    assert_within_bound(weight, x, weight.matmul(x))
+
+
+def assert_within_bound(weight: PackedWeight, x: torch.Tensor, got: torch.Tensor) -> None:
+    """`got`, a product of `x` and `weight`, within that bound."""
     dense = weight.dequantize().double()
     exact = x.double() @ dense.T
     bound = weight.shape[1] * UNIT * (x.double().abs() @ dense.abs().T)
-    got = weight.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (x.shape[0], weight.shape[0])
     excess = (got.double() - exact).abs() - bound
     assert excess.max() <= 0, f"{x.shape[0]} rows: error exceeds the bound by {excess.max():.3g}"
@@ -92,6 +100,32 @@ def test_matmul_matches_dequantized(native: None, name: str) -> None:
     generator = torch.Generator().manual_seed(2)
     for rows in (*DECODE_ROWS, *PREFILL_ROWS):
         assert_matmul_within_bound(weight, torch.randn(rows, shape[1], generator=generator))
+
+
+def panel_matmul(weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    """`weight.matmul(x)` through the panel kernel whatever the row count (sgemm in a build
+    without one: the portable decoders)."""
+    op = torch.ops.prefixcache.gguf_matmul
+    return op(x, weight.blocks, weight.wtype.code, weight.shape[1], 0, x.shape[0])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_panel_kernel_matches_dequantized(native: None, name: str) -> None:
+    """The panel kernel (`kernels/gguf_panel.h`) on any row count, whatever this CPU's limits:
+    301 output rows end in a partial panel; one and two threads split the panels."""
+    wtype = TYPES[name]
+    shape = (301, 512)
+    weight = PackedWeight.from_gguf(random_blocks(wtype, *shape, seed=13), wtype.code, shape)
+    generator = torch.Generator().manual_seed(14)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in PANEL_ROWS:
+                x = torch.randn(rows, shape[1], generator=generator)
+                assert_within_bound(weight, x, panel_matmul(weight, x))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prefill_on_a_matrix_too_large_to_decode_whole_goes_by_tiles(native: None) -> None:

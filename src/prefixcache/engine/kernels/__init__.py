@@ -39,6 +39,7 @@ SOURCES = (
     "gguf_int8.h",
     "gguf_matmul.cpp",
     "gguf_matmul.h",
+    "gguf_panel.h",
     "gguf_simd.h",
     "gguf_simd_avx2.h",
     "head_logits.cpp",
@@ -203,6 +204,6 @@ def simd_decoders() -> bool:
 @functools.cache
 def decoders() -> str:
     """The loaded library's decoders, "avx512", "avx2" or "portable" (`gguf_simd()`): fixed
-    once it is loaded, and asked on every packed matmul (`packed_weight.max_decode_rows`),
+    once it is loaded, and asked on every packed matmul (`packed_weight.row_limits`),
     so the op is called once. The library must be available."""
     return torch.ops.prefixcache.gguf_simd()

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gguf_matmul.h"
 #include "kv_rows.h"
 
 namespace prefixcache {
@@ -43,7 +44,7 @@ struct LayerWeights {
 struct LayerShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
-  int64_t max_decode_rows;  // GGUF projections: packed_weight.max_decode_rows(), as eager
+  gguf::RowLimits row_limits;  // GGUF projections: packed_weight.row_limits(), as eager
   bool gelu;                // the MLP's gate: GeLU (tanh) as Gemma's; else SiLU
   bool int8_activations;    // GGUF projections: as gguf_matmul's (gguf_int8.h), as eager
 };

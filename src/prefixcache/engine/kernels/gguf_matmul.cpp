@@ -5,10 +5,13 @@
 // (gguf_blocks.h); activations stay fp32; products and sums are fp32 (FMA), in an order that
 // differs from a dense matmul's. So it equals `x @ dequantize().T` up to fp32 summation order:
 // |error| <= in * 2^-24 * sum_i |w_i x_i| (the usual bound of an fp32 dot product).
-//   - Few rows (decode, up to the caller's `max_decode_rows`): parallel over output rows, 8
+//   - Few rows (decode, up to the caller's `limits.decode`): parallel over output rows, 8
 //     activation rows a pass; with AVX-512 (AVX2) each 32 weights are decoded into two (four)
 //     registers and multiplied into every row (gguf_simd.h, gguf_simd_avx2.h), elsewhere 256
 //     values at a time are decoded into a buffer that stays in L1 and dotted with every row.
+//   - Middle rows (a step of decodes and prompt chunks, up to `limits.panel`): gguf_panel.h,
+//     each weight decoded once into a panel of a few output rows that stays in cache and
+//     multiplied into all the rows by a register-blocked kernel (AVX2 or AVX-512 builds).
 //   - Many rows (prefill): the matrix decoded into fp32 (whole, or for a very large one tile
 //     by tile, in parallel) and multiplied by sgemm (at::mm).
 #include <ATen/ops/empty.h>
@@ -18,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +29,7 @@
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 #include "gguf_matmul.h"
+#include "gguf_panel.h"
 #include "gguf_simd.h"
 #include "gguf_simd_avx2.h"
 
@@ -238,6 +243,40 @@ void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   }
 }
 
+#ifdef PREFIXCACHE_GGUF_PANEL
+// Output rows [r0, r0 + count) of y for all `tokens` rows of xt (panel::transpose_rows'
+// layout): the weights decoded once into `panel`, multiplied kMaxGroups groups at a time.
+void panel_rows(const Matrix& w, int64_t r0, int64_t count, const float* xt, int64_t tokens,
+                float* panel, float* c, float* y) {
+  using namespace panel;
+  if (count < kPanelRows) std::fill(panel, panel + kPanelRows * w.in, 0.0f);
+  w.decode_rows(r0, count, panel);
+  for (int64_t g0 = 0, groups = (tokens + kLanes - 1) / kLanes; g0 < groups; g0 += kMaxGroups) {
+    const int n = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
+    multiply(n, panel, xt + g0 * w.in * kLanes, w.in, c);
+    const int64_t t0 = g0 * kLanes;
+    store_tile(c, n, std::min<int64_t>(n * kLanes, tokens - t0), static_cast<int>(count), y + t0 * w.rows + r0, w.rows);
+  }
+}
+
+// y = x W^T through gguf_panel.h: the rows transposed once, then each thread takes whole
+// panels of kPanelRows output rows.
+void panel_matmul(const Matrix& w, const at::Tensor& x, float* y) {
+  using namespace panel;
+  const int64_t tokens = x.size(0), groups = (tokens + kLanes - 1) / kLanes;
+  const int64_t panels = (w.rows + kPanelRows - 1) / kPanelRows;
+  std::unique_ptr<float[]> xt(new float[groups * w.in * kLanes]);
+  transpose_rows(x.data_ptr<float>(), tokens, w.in, xt.get());
+  at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / (w.in * groups)), [&](int64_t first, int64_t last) {
+    std::vector<float> decoded(kPanelRows * w.in), c(kPanelRows * kMaxGroups * kLanes);
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t r0 = p * kPanelRows;
+      panel_rows(w, r0, std::min<int64_t>(kPanelRows, w.rows - r0), xt.get(), tokens, decoded.data(), c.data(), y);
+    }
+  });
+}
+#endif
+
 // One parallel region: each thread takes whole tiles of output rows, decodes each into its own
 // buffer (which stays in its L2) and multiplies it by sgemm, single-threaded inside the region.
 // (Tile by tile with the threads joining twice per tile was 10x slower on a busy machine:
@@ -305,18 +344,22 @@ bool has_int8_kernel(int64_t type) {
 }
 
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                  int64_t max_decode_rows, bool int8_activations) {
+                  RowLimits limits, bool int8_activations) {
   Matrix w = matrix(blocks, type, in);
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == in && x.is_contiguous(),
               "x must be contiguous fp32 [tokens, ", in, "]");
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   if (y.numel() == 0) return y;
-  if (x.size(0) <= max_decode_rows && int8_activations && w.k->int8_dots) {
+  if (x.size(0) <= limits.decode && int8_activations && w.k->int8_dots) {
 #ifdef PREFIXCACHE_GGUF_INT8
     int8_decode_matmul(w, x, y.data_ptr<float>());
 #endif
-  } else if (x.size(0) <= max_decode_rows) {
+  } else if (x.size(0) <= limits.decode) {
     decode_matmul(w, x, y.data_ptr<float>());
+#ifdef PREFIXCACHE_GGUF_PANEL
+  } else if (x.size(0) <= limits.panel) {
+    panel_matmul(w, x, y.data_ptr<float>());
+#endif
   } else {
     prefill_matmul(w, x, y);
   }

@@ -11,11 +11,18 @@ namespace prefixcache::gguf {
 // Checks that `blocks` are contiguous uint8 [out, row bytes] of `type` for `in` inputs.
 void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in);
 
+// Which kernel takes a product of `tokens` activation rows: the decode kernel up to `decode`,
+// the panel kernel (gguf_panel.h, where built) up to `panel`, sgemm on the decoded matrix past
+// both (packed_weight.row_limits()).
+struct RowLimits {
+  int64_t decode, panel;
+};
+
 // x [tokens, in] (contiguous fp32) times the packed matrix: torch.ops.prefixcache.gguf_matmul.
-// With `int8_activations`, up to `max_decode_rows` rows of a type with an int8 kernel take it
-// (gguf_int8.h's contract); every other product keeps fp32 activations.
+// With `int8_activations`, rows the decode kernel takes meet a type's int8 kernel where it has
+// one (gguf_int8.h's contract); every other product keeps fp32 activations.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                  int64_t max_decode_rows, bool int8_activations);
+                  RowLimits limits, bool int8_activations);
 
 // Whether `type` has an int8-activation kernel in this build: torch.ops.prefixcache.gguf_int8.
 bool has_int8_kernel(int64_t type);

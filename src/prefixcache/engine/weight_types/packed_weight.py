@@ -10,6 +10,7 @@ kernels, dequantization falls back to gguf-py's (the reference) and matmul to `F
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -20,24 +21,39 @@ from prefixcache.engine import kernels
 from prefixcache.engine.anonymous_memory import anonymous_zeros
 from prefixcache.engine.weight_types.formats import WeightType, weight_type
 
-# Up to this many activation rows the decode kernel runs (8 rows a pass, each pass decoding
-# the weights again); above it, the matrix decoded into fp32 goes through sgemm. Where they
-# cross depends on the vector unit (`kernels.decoders()`), measured with a model's weights
-# cold, on chunks of prompts:
-# - AVX2 (an AMD EPYC, Zen 3): ~96-128 rows. Decoding a whole matrix into fp32 costs ~2.5 ms
-#   a SmolLM2 layer whatever the rows, so 48-96-token chunks (100 ms steps) ran at 284-314
-#   tok/s with a limit of 32 and at 373-394 with 128.
-# - AVX-512 (a 2-core KVM Xeon with AMX): ~48 rows; sgemm runs twice as fast there. A SmolLM2
-#   prompt in chunks beside a stream prefilled, with limits of 32 / 48 / 64 / 128 rows:
-#   397-415 / 431-457 / 448-459 / - tok/s in 60 ms steps (~30-45-token chunks), 528-552 /
-#   520 / 505-512 / 472 in 100 ms steps, 672 / 744 / 674-746 / 522 in 150 ms steps.
-# - The portable decoders: 32, each pass there is slow.
-MAX_DECODE_ROWS = {"avx2": 128, "avx512": 48, "portable": 32}
+
+class RowLimits(NamedTuple):
+    """Which kernel a product of T activation rows takes: the decode kernel for T <= `decode`
+    (8 rows a pass, each pass decoding the weights again), the panel kernel for T <= `panel`
+    (`kernels/gguf_panel.h`: each weight decoded once into a cached panel), else sgemm on the
+    matrix decoded whole into fp32."""
+
+    decode: int
+    panel: int
 
 
-def max_decode_rows() -> int:
-    """The row limit of the decode kernel on this CPU (the eager and fused paths share it)."""
-    return MAX_DECODE_ROWS[kernels.decoders() if kernels.available() else "portable"]
+# Where the kernels cross depends on the vector unit (`kernels.decoders()`). Measured on a
+# stack of a model's layers (30 SmolLM2-shaped Q4_1 ones, or 18 Gemma-shaped Q5_0/Q4_K/Q6_K),
+# ms a pass, decode / panel / sgemm, weights cold:
+# - AVX-512 (a 2-core KVM Xeon with AMX): 16 rows 18.7 / 20.4 / 38.8, 24 rows 27.4 / 32.2 /
+#   48.7, 32 rows 36.3 / 31.0 / 51.1, 96 rows 108 / 72 / 85, 192 rows 212 / 131 / 143,
+#   256 rows - / 172 / 167.
+# - AVX2 (the same Xeon, kernels built with -mno-avx512f; its sgemm kept AVX-512, so that
+#   column is not an AVX2 machine's): 8 rows 18.2 / 23.5, 16 rows 26.7 / 24.8, 128 rows
+#   213 / 144. On an AMD EPYC (Zen 3, AVX2 only) the decode kernel beat sgemm up to ~128 rows
+#   (decoding a whole SmolLM2 layer into fp32 cost ~2.5 ms there), so the panel kernel,
+#   1.5x the decode kernel's speed at 128 rows, keeps that limit; not measured on the EPYC.
+# - The portable decoders: no panel kernel, sgemm past 32 rows.
+ROW_LIMITS = {
+    "avx512": RowLimits(decode=24, panel=192),
+    "avx2": RowLimits(decode=12, panel=128),
+    "portable": RowLimits(decode=32, panel=32),
+}
+
+
+def row_limits() -> RowLimits:
+    """The kernels' row limits on this CPU (the eager and fused paths share them)."""
+    return ROW_LIMITS[kernels.decoders() if kernels.available() else "portable"]
 
 
 class PackedWeight:
@@ -119,7 +135,7 @@ class PackedWeight:
             return F.linear(x, self.blocks.view(torch.float32))
         if kernels.available():
             return torch.ops.prefixcache.gguf_matmul(
-                x.contiguous(), self.blocks, self.wtype.code, self.shape[1], max_decode_rows(),
+                x.contiguous(), self.blocks, self.wtype.code, self.shape[1], *row_limits(),
                 int8_activations,
             )  # fmt: skip
         return F.linear(x, self.dequantize())
