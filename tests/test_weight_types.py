@@ -27,8 +27,10 @@ DECODE_ROWS = (*range(1, 9), 20)  # 20: passes of 8, 8 and 4 rows
 # panel kernel, sgemm), and 200
 LIMIT_ROWS = tuple(sorted({r + e for rows in ROW_LIMITS.values() for r in rows for e in (0, 1)}))
 PREFILL_ROWS = (*LIMIT_ROWS, 200)
-# The panel kernel's partial and whole register groups of 16 (AVX-512) or 8 (AVX2) rows
-PANEL_ROWS = (9, 15, 16, 17, 31, 33, 47, 48, 49, 50, 65, 100)
+# The panel kernel's partial and whole register groups of 16 (AVX-512) or 8 (AVX2) rows, and
+# the last few rows it takes by dot products instead (under 8 past a group of 16; under 4
+# past one of 8)
+PANEL_ROWS = (3, 9, 11, 12, 15, 16, 17, 23, 24, 31, 33, 47, 48, 49, 50, 65, 100)
 UNIT = 2.0**-24
 
 

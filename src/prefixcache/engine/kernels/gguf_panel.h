@@ -32,6 +32,7 @@ struct Vec {
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     return _mm512_mask_i32gather_ps(zero(), mask, offsets, p, 4);
   }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
   static __m512i offsets(int32_t stride) {
     return _mm512_mullo_epi32(_mm512_set1_epi32(stride), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
@@ -52,6 +53,11 @@ struct Vec {
   static T gather(const float* p, __m256i offsets, int valid) {
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     return _mm256_mask_i32gather_ps(zero(), p, offsets, _mm256_castsi256_ps(mask), 4);
+  }
+  static float sum(T v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
   }
   static __m256i offsets(int32_t stride) {
     return _mm256_mullo_epi32(_mm256_set1_epi32(stride), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -98,6 +104,26 @@ void multiply_panel(const float* panel, const float* xt, int64_t in, float* c) {
   for (int r = 0; r < kPanelRows; ++r)
 #pragma GCC unroll 4
     for (int g = 0; g < Groups; ++g) Vec::store(c + (r * Groups + g) * kLanes, acc[r][g]);
+}
+
+// Rows a last, mostly empty register group would hold go by dot products instead: `rest`
+// rows cost about 2 * rest / kLanes of a group (a load per FMA).
+inline bool dots_take(int64_t rest) { return rest > 0 && 2 * rest < kLanes; }
+
+// y[t][r] = panel row r . x[t] for `rows` activation rows (`in` floats apart, as given) and
+// r < `count`; y's rows `stride` floats apart.
+inline void dot_panel(const float* panel, const float* x, int64_t rows, int64_t in, int count, float* y, int64_t stride) {
+  for (int64_t t = 0; t < rows; ++t) {
+    typename Vec::T acc[kPanelRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kPanelRows; ++r) acc[r] = Vec::zero();
+    for (int64_t k = 0; k < in; k += kLanes) {
+      const typename Vec::T xs = Vec::load(x + t * in + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < kPanelRows; ++r) acc[r] = Vec::fma(Vec::load(panel + r * in + k), xs, acc[r]);
+    }
+    for (int r = 0; r < count; ++r) y[t * stride + r] = Vec::sum(acc[r]);
+  }
 }
 
 // y[t][r] = c as multiply_panel leaves it (`groups` of kLanes rows t, for r < `count`), for

@@ -35,17 +35,18 @@ class RowLimits(NamedTuple):
 # Where the kernels cross depends on the vector unit (`kernels.decoders()`). Measured on a
 # stack of a model's layers (30 SmolLM2-shaped Q4_1 ones, or 18 Gemma-shaped Q5_0/Q4_K/Q6_K),
 # ms a pass, decode / panel / sgemm, weights cold:
-# - AVX-512 (a 2-core KVM Xeon with AMX): 16 rows 18.7 / 20.4 / 38.8, 24 rows 27.4 / 32.2 /
-#   48.7, 32 rows 36.3 / 31.0 / 51.1, 96 rows 108 / 72 / 85, 192 rows 212 / 131 / 143,
-#   256 rows - / 172 / 167.
+# - AVX-512 (a 2-core KVM Xeon with AMX): 16 rows 20.3 / 21.9 / 33.9, 17 rows 23.6 / 21.2 /
+#   35.4, 24 rows 30.9 / 29.7 / 38.9, 33 rows 44.5 / 30.8 / 48.6, 97 rows 128 / 74 / 83,
+#   192 rows 212 / 131 / 143, 256 rows - / 172 / 167.
 # - AVX2 (the same Xeon, kernels built with -mno-avx512f; its sgemm kept AVX-512, so that
-#   column is not an AVX2 machine's): 8 rows 18.2 / 23.5, 16 rows 26.7 / 24.8, 128 rows
-#   213 / 144. On an AMD EPYC (Zen 3, AVX2 only) the decode kernel beat sgemm up to ~128 rows
-#   (decoding a whole SmolLM2 layer into fp32 cost ~2.5 ms there), so the panel kernel,
-#   1.5x the decode kernel's speed at 128 rows, keeps that limit; not measured on the EPYC.
+#   column is not an AVX2 machine's): 12 rows 23.0 / 25.5, 16 rows 27.5 / 26.0, 33 rows
+#   58.8 / 43.6, 128 rows 214 / 141. On an AMD EPYC (Zen 3, AVX2 only) the decode kernel
+#   beat sgemm up to ~128 rows (decoding a whole SmolLM2 layer into fp32 cost ~2.5 ms
+#   there), so the panel kernel, 1.5x the decode kernel's speed at 128 rows, keeps that
+#   limit; not measured on the EPYC.
 # - The portable decoders: no panel kernel, sgemm past 32 rows.
 ROW_LIMITS = {
-    "avx512": RowLimits(decode=24, panel=192),
+    "avx512": RowLimits(decode=16, panel=192),
     "avx2": RowLimits(decode=12, panel=128),
     "portable": RowLimits(decode=32, panel=32),
 }
