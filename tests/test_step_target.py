@@ -14,6 +14,7 @@ from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import (
     FIRST_TOKEN_STEP_SHARE,
     MIN_PREFILL_CHUNK,
+    SHARED_HOLD,
     Scheduler,
     step_shape,
 )
@@ -71,6 +72,26 @@ def test_a_first_token_step_takes_whole_short_prompts_and_a_short_middle_chunk()
     assert all(c.branch.output.token_ids for c in chunks[:2])
     (alone,) = [c for c in run_step(scheduler) if c.num_tokens > 1]
     assert alone.num_tokens in (229, 230)  # the full target: 250 - 10 - 2 x 5 ms, floored
+    finish_all(scheduler)
+
+
+def test_a_prompt_left_alone_keeps_the_target_for_the_hold_then_takes_the_budget():
+    """A flood client's next prompt comes milliseconds after its last: the one left alone
+    meanwhile keeps steps within the target for SHARED_HOLD seconds (fake clock), so an
+    arrival then waits one step, not a whole prompt's; after the hold it takes the budget."""
+    now = [100.0]
+    scheduler = timed_scheduler(clock=lambda: now[0])
+    scheduler.add(make_request("long", list(range(8000))).branches[0])
+    short = make_request("short", [4000] * 20).branches[0]
+    scheduler.add(short)
+    run_step(scheduler)  # both in: the target binds
+    scheduler.finish(short)  # its client's next prompt is on its way
+    now[0] += SHARED_HOLD - 0.01
+    (held,) = run_step(scheduler)
+    assert held.num_tokens == 240  # alone, within the hold: 250 - 10 ms
+    now[0] += 0.02
+    (alone,) = run_step(scheduler)
+    assert alone.num_tokens == 2048  # the hold is over: the whole budget
     finish_all(scheduler)
 
 

@@ -16,12 +16,12 @@ With a step target (seconds), a step is sized in time by an online cost model
 (``step_cost.py``): running decodes first, then prefills, running or waiting, in the
 order: aged ones first by arrival, then lower ``priority`` number, least uncached work,
 arrival. Each gets the tokens that fit in what is left of the target. The target binds
-only when more than one branch is in the scheduler; the first prefill of a step, and any
-aged one, gets at least ``MIN_PREFILL_CHUNK`` tokens. A branch passed over
-``max_passed_over`` times (by later arrivals while waiting, or by steps without a chunk
-while running) ages and goes ahead of everything: no request starves. A waiting branch
-that finds no seat or no room may pause a running prefill of a larger priority number at
-its chunk boundary: the paused branch's committed blocks stay cached.
+only when more than one branch is in the scheduler or was within ``SHARED_HOLD``; the
+first prefill of a step, and any aged one, gets at least ``MIN_PREFILL_CHUNK`` tokens. A
+branch passed over ``max_passed_over`` times (by later arrivals while waiting, or by steps
+without a chunk while running) ages and goes ahead of everything: no request starves. A
+waiting branch that finds no seat or no room may pause a running prefill of a larger
+priority number at its chunk boundary: the paused branch's committed blocks stay cached.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +44,11 @@ MIN_PREFILL_CHUNK = 32  # tokens the first prefill of a step gets, whatever the 
 # target): that request's TTFT is this step, and a long prompt loses one short step
 # (docs/benchmarks.md, issue 36: agents' TTFT beside a flood, over HTTP).
 FIRST_TOKEN_STEP_SHARE = 0.25
+# The target keeps binding this long (seconds) after the scheduler last held more than one
+# branch: a client sending prompts back to back leaves one alone for the milliseconds
+# between them, and that one's whole prompt in a single step (1.3 s for 1,500 SmolLM2
+# tokens) was what an agent arriving then waited for (a TTFT p95 of 15x over HTTP).
+SHARED_HOLD = 1.0
 
 
 class BlockLoader(Protocol):
@@ -101,6 +107,7 @@ class Scheduler:
         loader: BlockLoader | None = None,
         step_target: float | None = None,
         step_cost: StepCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -122,6 +129,8 @@ class Scheduler:
         self.queue_seconds: dict[str, float] = dict.fromkeys(WAIT_REASONS, 0.0)
         self._left_waiting: list[tuple[Branch, str]] = []  # latest timed step's, and why
         self._paused: set[Branch] = set()  # paused in the step being built
+        self._clock = clock  # seconds, for SHARED_HOLD
+        self._shared_until = -float("inf")  # the target binds until then
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -186,7 +195,7 @@ class Scheduler:
         chunks = [self._next_chunk(b, 1) for b in decodes]
         budget -= len(chunks)
         shape = step_shape(chunks)  # what the step costs so far
-        binding = len(self.running) + len(self.waiting) > 1
+        binding = self._target_binds()
         admission = _Admission(self._busy_owners())
         prefilled: set[Branch] = set()
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
@@ -225,6 +234,13 @@ class Scheduler:
         self._count_skipped(prefilled)
         self._count_waits(waits, prefilled)
         return chunks
+
+    def _target_binds(self) -> bool:
+        """More than one branch is here, or was less than ``SHARED_HOLD`` seconds ago."""
+        now = self._clock()
+        if len(self.running) + len(self.waiting) > 1:
+            self._shared_until = now + SHARED_HOLD
+        return now < self._shared_until
 
     def _admit_or_why_not(
         self, branch: Branch, admission: _Admission, prefilled: set[Branch]
