@@ -130,6 +130,19 @@ def test_the_panel_kernel_matches_dequantized(native: None, name: str) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("name", ["F16", "BF16"])
+def test_the_panel_kernel_on_rows_of_any_width(native: None, name: str) -> None:
+    """F16/BF16 rows need not be a multiple of a register's inputs: 40 inputs, and 17 and 33
+    activation rows, whose last one would otherwise go by dot products of 16 inputs."""
+    wtype = TYPES[name]
+    shape = (37, 40)
+    weight = PackedWeight.from_gguf(random_blocks(wtype, *shape, seed=15), wtype.code, shape)
+    generator = torch.Generator().manual_seed(16)
+    for rows in (17, 33):
+        x = torch.randn(rows, shape[1], generator=generator)
+        assert_within_bound(weight, x, panel_matmul(weight, x))
+
+
 def test_prefill_on_a_matrix_too_large_to_decode_whole_goes_by_tiles(native: None) -> None:
     """Past 64 MB of fp32 (an output matrix over a large vocabulary) the prefill kernel
     decodes tile by tile instead of whole: the same bound holds."""

@@ -266,7 +266,7 @@ void panel_rows(const Matrix& w, int64_t r0, int64_t count, const float* x, cons
 void panel_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   using namespace panel;
   const int64_t tokens = x.size(0);
-  const int64_t grouped = dots_take(tokens % kLanes) ? tokens - tokens % kLanes : tokens;
+  const int64_t grouped = dots_take(tokens % kLanes, w.in) ? tokens - tokens % kLanes : tokens;
   const int64_t groups = (grouped + kLanes - 1) / kLanes;
   const int64_t panels = (w.rows + kPanelRows - 1) / kPanelRows;
   std::unique_ptr<float[]> xt(new float[std::max<int64_t>(1, groups) * w.in * kLanes]);

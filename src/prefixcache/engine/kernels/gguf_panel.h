@@ -107,8 +107,9 @@ void multiply_panel(const float* panel, const float* xt, int64_t in, float* c) {
 }
 
 // Rows a last, mostly empty register group would hold go by dot products instead: `rest`
-// rows cost about 2 * rest / kLanes of a group (a load per FMA).
-inline bool dots_take(int64_t rest) { return rest > 0 && 2 * rest < kLanes; }
+// rows cost about 2 * rest / kLanes of a group (a load per FMA). The dots read kLanes inputs
+// at a time: `in` must be a multiple (every block type's is; F16/BF16 rows may not be).
+inline bool dots_take(int64_t rest, int64_t in) { return rest > 0 && 2 * rest < kLanes && in % kLanes == 0; }
 
 // y[t][r] = panel row r . x[t] for `rows` activation rows (`in` floats apart, as given) and
 // r < `count`; y's rows `stride` floats apart.
