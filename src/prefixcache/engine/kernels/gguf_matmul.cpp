@@ -244,22 +244,31 @@ void decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
 }
 
 #ifdef PREFIXCACHE_GGUF_PANEL
-// Output rows [r0, r0 + count) of y for all `tokens` rows of x (the first `grouped` also in
-// xt, panel::transpose_rows' layout): the weights decoded once into `panel`, multiplied
-// kMaxGroups groups at a time, the rows past `grouped` by dot products.
-void panel_rows(const Matrix& w, int64_t r0, int64_t count, const float* x, const float* xt,
-                int64_t tokens, int64_t grouped, float* panel, float* c, float* y) {
-  using namespace panel;
-  if (count < kPanelRows) std::fill(panel, panel + kPanelRows * w.in, 0.0f);
-  w.decode_rows(r0, count, panel);
-  dot_panel(panel, x + grouped * w.in, tokens - grouped, w.in, static_cast<int>(count), y + grouped * w.rows + r0, w.rows);
-  for (int64_t g0 = 0, groups = (grouped + kLanes - 1) / kLanes; g0 < groups; g0 += kMaxGroups) {
-    const int n = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
-    multiply(n, panel, xt + g0 * w.in * kLanes, w.in, c);
-    const int64_t t0 = g0 * kLanes;
-    store_tile(c, n, std::min<int64_t>(n * kLanes, grouped - t0), static_cast<int>(count), y + t0 * w.rows + r0, w.rows);
+// One panel_matmul call: y = x W^T for `tokens` rows of x, the first `grouped` of them also
+// in xt (panel::transpose_rows' layout), the rest taken by dot products.
+struct PanelProduct {
+  const Matrix& w;
+  const float* x;
+  const float* xt;
+  int64_t tokens, grouped;
+  float* y;
+
+  // Output rows [r0, r0 + count): the weights decoded once into `panel` (kPanelRows rows),
+  // multiplied kMaxGroups groups at a time through `c`, then the rest's dot products.
+  void rows(int64_t r0, int64_t count, float* panel, float* c) const {
+    using namespace panel;
+    if (count < kPanelRows) std::fill(panel, panel + kPanelRows * w.in, 0.0f);
+    w.decode_rows(r0, count, panel);
+    const int outputs = static_cast<int>(count);
+    dot_panel(panel, x + grouped * w.in, tokens - grouped, w.in, outputs, y + grouped * w.rows + r0, w.rows);
+    for (int64_t g0 = 0, groups = (grouped + kLanes - 1) / kLanes; g0 < groups; g0 += kMaxGroups) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxGroups, groups - g0));
+      multiply(n, panel, xt + g0 * w.in * kLanes, w.in, c);
+      const int64_t t0 = g0 * kLanes;
+      store_tile(c, n, std::min<int64_t>(n * kLanes, grouped - t0), outputs, y + t0 * w.rows + r0, w.rows);
+    }
   }
-}
+};
 
 // y = x W^T through gguf_panel.h: the rows transposed once (but a last group's few, which
 // go by dot products), then each thread takes whole panels of kPanelRows output rows.
@@ -271,12 +280,12 @@ void panel_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   const int64_t panels = (w.rows + kPanelRows - 1) / kPanelRows;
   std::unique_ptr<float[]> xt(new float[std::max<int64_t>(1, groups) * w.in * kLanes]);
   transpose_rows(x.data_ptr<float>(), grouped, w.in, xt.get());
+  const PanelProduct product{w, x.data_ptr<float>(), xt.get(), tokens, grouped, y};
   at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / (w.in * (groups + 1))), [&](int64_t first, int64_t last) {
     std::vector<float> decoded(kPanelRows * w.in), c(kPanelRows * kMaxGroups * kLanes);
     for (int64_t p = first; p < last; ++p) {
       const int64_t r0 = p * kPanelRows;
-      panel_rows(w, r0, std::min<int64_t>(kPanelRows, w.rows - r0), x.data_ptr<float>(), xt.get(), tokens, grouped,
-                 decoded.data(), c.data(), y);
+      product.rows(r0, std::min<int64_t>(kPanelRows, w.rows - r0), decoded.data(), c.data());
     }
   });
 }
