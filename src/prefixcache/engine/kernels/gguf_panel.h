@@ -12,7 +12,13 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gguf_avx2.h"
+
 namespace prefixcache::gguf::panel {
+
+#if defined(__AVX2__)
+inline __m256i lanes8() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }  // lane i holds i
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define PREFIXCACHE_GGUF_PANEL 1
@@ -51,17 +57,11 @@ struct Vec {
   static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
   // p[lane * stride] for the first `valid` lanes, zero past them.
   static T gather(const float* p, __m256i offsets, int valid) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lanes8());
     return _mm256_mask_i32gather_ps(zero(), p, offsets, _mm256_castsi256_ps(mask), 4);
   }
-  static float sum(T v) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-  }
-  static __m256i offsets(int32_t stride) {
-    return _mm256_mullo_epi32(_mm256_set1_epi32(stride), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  }
+  static float sum(T v) { return avx2::sum_lanes(v); }
+  static __m256i offsets(int32_t stride) { return _mm256_mullo_epi32(_mm256_set1_epi32(stride), lanes8()); }
 };
 #endif
 
@@ -131,7 +131,7 @@ inline void dot_panel(const float* panel, const float* x, int64_t rows, int64_t 
 // t < rows, y's rows `stride` floats apart: one gathered vector of kPanelRows per t.
 inline void store_tile(const float* c, int groups, int64_t rows, int count, float* y, int64_t stride) {
 #ifdef PREFIXCACHE_GGUF_PANEL_AVX512
-  const __m256i offsets = _mm256_mullo_epi32(_mm256_set1_epi32(groups * kLanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i offsets = _mm256_mullo_epi32(_mm256_set1_epi32(groups * kLanes), lanes8());
   const __mmask8 mask = static_cast<__mmask8>((1u << count) - 1);
   for (int64_t t = 0; t < rows; ++t) {
     const float* col = c + (t / kLanes) * kLanes + t % kLanes;
