@@ -8,6 +8,9 @@ u = 2^-24 and n = in (the classic bound gamma_n ~ n u, whatever the summation or
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import gguf
 import numpy as np
 import pytest
@@ -104,6 +107,17 @@ def test_matmul_matches_dequantized(native: None, name: str) -> None:
         assert_matmul_within_bound(weight, torch.randn(rows, shape[1], generator=generator))
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` inside, restored after (the suite runs one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def panel_matmul(weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     """`weight.matmul(x)` through the panel kernel whatever the row count (sgemm in a build
     without one: the portable decoders)."""
@@ -119,15 +133,11 @@ def test_the_panel_kernel_matches_dequantized(native: None, name: str) -> None:
     shape = (301, 512)
     weight = PackedWeight.from_gguf(random_blocks(wtype, *shape, seed=13), wtype.code, shape)
     generator = torch.Generator().manual_seed(14)
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
+    for count in (1, 2):
+        with torch_threads(count):
             for rows in PANEL_ROWS:
                 x = torch.randn(rows, shape[1], generator=generator)
                 assert_within_bound(weight, x, panel_matmul(weight, x))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", ["F16", "BF16"])
@@ -170,17 +180,13 @@ def test_matmul_split_over_two_threads(native: None, name: str) -> None:
     wtype = TYPES[name]
     shape = (300, 512)
     weight = PackedWeight.from_gguf(random_blocks(wtype, *shape, seed=9), wtype.code, shape)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         generator = torch.Generator().manual_seed(10)
         for rows in (1, 8, 20, 48):
             assert_matmul_within_bound(weight, torch.randn(rows, 512, generator=generator))
         with torch.inference_mode():  # as the model runs it: each worker thread must be too
             x = torch.randn(200, 512, generator=generator)
             assert_matmul_within_bound(weight, x)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_K", "Q6_K"])
