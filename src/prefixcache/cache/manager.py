@@ -233,6 +233,17 @@ class KVCacheManager:
         )
         return len(hits) * self.block_size
 
+    def matched_block_ids(
+        self,
+        token_ids: SequenceOf[int],
+        cache_salt: str | None = None,
+        *,
+        min_hit_tokens: int = 0,
+    ) -> list[int]:
+        """The ids of the blocks ``admit`` would serve from cache right now; changes nothing."""
+        hits = self._matched_blocks(token_ids, cache_salt, None, (), True, min_hit_tokens)
+        return [block.block_id for block in hits]
+
     def _matched_blocks(
         self,
         token_ids: SequenceOf[int],

@@ -9,7 +9,7 @@ layer keeps only its window's K/V, in its group's pages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -92,11 +92,15 @@ class Gemma3Layer(nn.Module):
         metadata: AttentionMetadata,
         kv_store: KVStore,
         layer: int,
+        midway: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Update the residual stream `h` `[T, hidden]` in place and return it."""
+        """Update the residual stream `h` `[T, hidden]` in place and return it; `midway`
+        runs between the attention and the MLP."""
         x = rms_norm(h, self.input_layernorm, self.eps)
         attn = self.o(self._attention(x, rope, metadata, kv_store, layer))
         h += rms_norm(attn, self.post_attention_layernorm, self.eps)
+        if midway is not None:
+            midway()
         x = rms_norm(h, self.pre_feedforward_layernorm, self.eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         mlp = self.down(F.gelu(gate, approximate="tanh").mul_(up))
@@ -164,10 +168,12 @@ class Gemma3Model(nn.Module):
         metadata: AttentionMetadata,
         kv_store: KVStore,
         fused: bool = True,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm. One
         sequence adding a few tokens runs its layers fused (`fused_decode.py`) where it can,
-        unless not `fused`."""
+        unless not `fused`. Eager layers call `between_layers` between
+        them and halfway through each."""
         h = self._embed(input_ids)
         use_fused = fused and fused_applies(self, kv_store)
         if use_fused and self.lone.prepare(metadata, kv_store, self.dtype, MAX_FUSED_ROWS):
@@ -176,7 +182,9 @@ class Gemma3Model(nn.Module):
         full = self.rotary(positions, self.dtype)
         local = self.local_rotary(positions, self.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, local if layer.window else full, metadata, kv_store, i)
+            if i and between_layers is not None:
+                between_layers()
+            h = layer(h, local if layer.window else full, metadata, kv_store, i, between_layers)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ KV blocks. A Llama without a projection bias (Qwen 3's QK-norms included) can ru
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -231,10 +231,14 @@ class DecoderLayer(nn.Module):
         kv_store: KVStore,
         layer: int,
         lone: LoneDecode | None = None,
+        midway: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Update the residual stream `h` `[T, hidden]` in place and return it."""
+        """Update the residual stream `h` `[T, hidden]` in place and return it; `midway`
+        runs between the attention and the MLP."""
         x = rms_norm(h, self.input_layernorm, self.eps)
         h += self.o(self._attention(x, rope, metadata, kv_store, layer, lone))
+        if midway is not None:
+            midway()
         x = rms_norm(h, self.post_attention_layernorm, self.eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         h += self.down(F.silu(gate).mul_(up))
@@ -324,11 +328,13 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
         kv_store: KVStore,
         fused: bool = True,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the batch's new tokens, after the final norm.
 
         One sequence adding a few tokens runs its layers fused (`fused_decode.py`) where it
-        can, unless not `fused`.
+        can, unless not `fused`. Eager layers call `between_layers` between
+        them and halfway through each.
         """
         h = self._embed(input_ids)
         use_fused = fused and fused_applies(self, kv_store)
@@ -340,7 +346,9 @@ class LlamaModel(nn.Module):
         rope = self.rotary(positions, self.dtype)
         lone = self.lone if is_lone else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, metadata, kv_store, i, lone)
+            if i and between_layers is not None:
+                between_layers()
+            h = layer(h, rope, metadata, kv_store, i, lone, between_layers)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
