@@ -113,6 +113,9 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._held: list[tuple[Future, Command]] = []  # taken during a long step, not run yet
+        engine.between.arrivals = self._take_arrivals
+        engine.between.on_outputs = self._deliver_all
 
     def start(self) -> None:
         """Start the engine thread, delivering to the running event loop."""
@@ -270,15 +273,35 @@ class AsyncLLMEngine:
             self._wake.clear()
             self._drain_commands()
 
-    def _drain_commands(self) -> int:
-        """Run queued adds, aborts and calls, between steps, on the engine thread; publish
-        once, then answer their callers. The longest prompt added, in tokens."""
-        settled, longest = [], 0
+    def _take_arrivals(self) -> None:
+        """Between a long step's layers: add the requests that arrived; other commands
+        (aborts, calls) wait for the step's end, as it may be computing their blocks."""
+        self._drain_commands(adds_only=True)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """An urgent step's outputs, during a long step: published and delivered now."""
+        self._publish()
+        for output in outputs:
+            self._deliver(output)
+
+    def _queued(self) -> list[tuple[Future, Command]]:
+        """Commands held back, then those queued since, in order; none are left."""
+        taken, self._held = self._held, []
         while True:
             try:
-                future, command = self._commands.get_nowait()
+                taken.append(self._commands.get_nowait())
             except queue.Empty:
-                break
+                return taken
+
+    def _drain_commands(self, adds_only: bool = False) -> int:
+        """Run queued adds, aborts and calls, between steps, on the engine thread; publish
+        once, then answer their callers. The longest prompt added, in tokens. With
+        ``adds_only``, other commands are held for the next drain."""
+        settled, longest = [], 0
+        for future, command in self._queued():
+            if adds_only and not isinstance(command, AddRequest):
+                self._held.append((future, command))
+                continue
             try:
                 settled.append((future, command, self._execute(command), None))
             except Exception as failure:

@@ -29,6 +29,7 @@ from prefixcache.engine.config import (
 from prefixcache.engine.constrained import GrammarState, advance, allowed_masks
 from prefixcache.engine.forward_batch import ForwardBatch
 from prefixcache.engine.grammar import grammar_cache
+from prefixcache.engine.interleave import BetweenLayers
 from prefixcache.engine.kv_layout import kv_layout
 from prefixcache.engine.kv_store import KVStore, kv_dtype
 from prefixcache.engine.logprobs import Logprob, fill_prompt_logprobs, token_logprobs
@@ -79,6 +80,8 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     step_target_ms: float | None = None  # None: steps sized in tokens only; see config.py
+    # With a step target: long prompts in steps of their own, urgent steps between their layers
+    interleave_long_prompts: bool = True
     enable_prefix_caching: bool = True
     cache_aware_scheduling: bool = False
     eviction_policy: str = DEFAULT_POLICY
@@ -153,7 +156,9 @@ class LLMEngine:
             cache_aware=config.cache_aware_scheduling,
             loader=self.tier,
             step_target=None if config.step_target_ms is None else config.step_target_ms / 1e3,
+            interleave=config.interleave_long_prompts,
         )
+        self.between = BetweenLayers()  # a driver's hooks into a long prompts' step
         self.requests: dict[str, Request] = {}
         self.num_constrained = 0  # requests with a grammar: none, and sampling masks nothing
         self.on_retired: list[Callable[[Request], None]] = []  # each finished or aborted one
@@ -400,10 +405,36 @@ class LLMEngine:
             if self.tier is not None:  # requests may be waiting for their tier blocks
                 self.tier.wait_for_fetches(self.scheduler.waiting)
             return []
+        if self.scheduler.in_flight:
+            return self._long_step(chunks)
+        return self._run(chunks)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         self._before_forward(chunks)
         logits = self._forward(chunks)
-        sampled = self._sample(chunks, logits)
-        return self._postprocess(sampled)
+        return self._postprocess(self._sample(chunks, logits))
+
+    def _long_step(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Long prompts' step: the urgent steps due run before it and between its layers
+        (``_interleave``); their outputs go out at once, or come first in the result."""
+        self._before_forward(chunks)
+        try:
+            self._interleave()
+            logits = self._forward(chunks, self._interleave)
+        finally:
+            self.scheduler.land()
+        outputs = self._postprocess(self._sample(chunks, logits))
+        return self.between.release() + outputs
+
+    def _interleave(self) -> None:
+        """Take the requests that arrived; run the urgent step that is due, if any."""
+        started = time.perf_counter()
+        self.between.take_arrivals()
+        if self.scheduler.urgent_due():
+            chunks = self.scheduler.schedule_urgent()
+            if chunks:
+                self.between.deliver(self._run(chunks))
+        self.between.seconds += time.perf_counter() - started
 
     def _before_forward(self, chunks: list[ScheduledChunk]) -> None:
         """Per-request milestones, and zeroing of reused slots before the forward writes."""
@@ -418,13 +449,18 @@ class LLMEngine:
         self.scrubber.zero_reused()
         self.scrubber.track(chunks)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """One forward over every scheduled token; logits only where a token is sampled."""
+    def _forward(
+        self, chunks: list[ScheduledChunk], between_layers: Callable[[], None] | None = None
+    ) -> torch.Tensor | None:
+        """One forward over every scheduled token; logits only where a token is sampled.
+        ``between_layers`` runs between the layers of an eager forward."""
         windows = self.manager.windows
         batch = ForwardBatch.build(
             chunks, self.config.block_size, () if windows is None else windows.windows
         )
+        shape, between = self.scheduler.last_shape, self.between.seconds
         started = time.perf_counter()
+        extra = {} if between_layers is None else {"between_layers": between_layers}
         try:
             with torch.inference_mode():
                 hidden = self.model(
@@ -433,6 +469,7 @@ class LLMEngine:
                     batch.metadata,
                     self.kv_store,
                     fused=self.config.fused_decode,
+                    **extra,
                 )
                 logits = (
                     self.model.compute_logits(hidden[batch.logit_rows]) if batch.sampled else None
@@ -441,9 +478,9 @@ class LLMEngine:
         except Exception:
             self._drop_failed_step()
             raise
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started - (self.between.seconds - between)
         self._track_speed(batch.num_tokens, elapsed)
-        self.scheduler.observe_step(elapsed)  # the step cost model learns the forward's time
+        self.scheduler.observe_step(elapsed, shape)  # the cost model learns the forward's time
         if self.tier is not None:  # their KV is computed now: copy it out for the tier
             self.tier.write_computed(chunks)
         return logits
@@ -553,6 +590,7 @@ class LLMEngine:
 
     def _drop_failed_step(self) -> None:
         """A forward failed: its committed blocks hold no KV. Abort all, forget the cache."""
+        self.scheduler.land()  # an urgent step failed between a long step's layers
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.manager.reset()

@@ -22,6 +22,14 @@ branch passed over ``max_passed_over`` times (by later arrivals while waiting, o
 without a chunk while running) ages and goes ahead of everything: no request starves. A
 waiting branch that finds no seat or no room may pause a running prefill of a larger
 priority number at its chunk boundary: the paused branch's committed blocks stay cached.
+
+With ``interleave``, prompts too long to finish within one target step do not go in short
+chunks: they take a step of their own, up to ``LONG_STEP_TOKENS`` (as efficient as a step
+sized in tokens), and between its layers the engine runs *urgent* steps (decodes, and
+prompts that fit in a target step) over every other branch (``schedule_urgent``). The
+long step's branches are ``in_flight`` until it lands: no urgent step schedules, pauses or
+preempts them, and a prompt whose cached prefix reaches blocks the long step is still
+writing waits for it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.cache import KVCacheManager
+from prefixcache.cache.common import cdiv
 from prefixcache.engine.request import Branch
 from prefixcache.engine.step_cost import StepCost, StepShape, StepTimes, chunk_attention
 
@@ -51,6 +60,10 @@ FIRST_TOKEN_STEP_SHARE = 0.25
 # the 2,000-token prompt behind eight agents went on in short steps well after they were
 # done (1.20-1.33x of alone, against 1.09-1.17x at 0.25 s).
 SHARED_HOLD = 0.25
+# A long prompts' step (``interleave``) takes at most this many tokens: an urgent arrival
+# waits for at most one of its layers (~35 ms for SmolLM2 on two cores), and 1,024-token
+# steps prefill within a few percent of 2,048-token ones.
+LONG_STEP_TOKENS = 1024
 
 
 class BlockLoader(Protocol):
@@ -110,6 +123,7 @@ class Scheduler:
         step_target: float | None = None,
         step_cost: StepCost | None = None,
         clock: Callable[[], float] = time.monotonic,
+        interleave: bool = False,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -131,8 +145,12 @@ class Scheduler:
         self.queue_seconds: dict[str, float] = dict.fromkeys(WAIT_REASONS, 0.0)
         self._left_waiting: list[tuple[Branch, str]] = []  # latest timed step's, and why
         self._paused: set[Branch] = set()  # paused in the step being built
-        self._clock = clock  # seconds, for SHARED_HOLD
+        self.clock = clock  # seconds, for SHARED_HOLD and urgent decodes
         self._shared_until = -float("inf")  # the target binds until then
+        self.interleave = interleave and step_target is not None
+        self.in_flight: set[Branch] = set()  # the long prompts' step being computed
+        self._in_flight_blocks: set[int] = set()  # blocks that step is still writing
+        self._last_decode = -float("inf")  # when a step last carried decode rows
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -141,17 +159,105 @@ class Scheduler:
         self.waiting.append(branch)
 
     def schedule(self) -> list[ScheduledChunk]:
-        """The next step's batch; commits its tokens to the cache before it runs."""
+        """The next step's batch; commits its tokens to the cache before it runs. With
+        ``interleave``, long prompts' steps are ``in_flight`` until ``land``."""
+        assert not self.in_flight, "the long prompts' step has not landed"
         if self.step_target is None:
-            chunks = self._schedule_tokens()
-        else:
+            return self._scheduled(self._schedule_tokens())
+        chunks = []
+        if self.interleave and (long := self._long_prefills()):
+            chunks = self._schedule_long(long)
+        if not chunks:  # none long, or none of them can run now (seats, memory, ...)
             chunks = self._schedule_timed(self.step_target)
+        return self._scheduled(chunks)
+
+    def schedule_urgent(self) -> list[ScheduledChunk]:
+        """Between the long prompts' step's layers: decodes and prompts that fit in a target
+        step, timed, over every branch but that step's."""
+        assert self.step_target is not None
+        return self._scheduled(self._schedule_timed(self.step_target, urgent=True))
+
+    def _scheduled(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         self.last_shape = step_shape(chunks)
+        if self.last_shape.decode_rows:
+            self._last_decode = self.clock()
         return chunks
 
-    def observe_step(self, seconds: float) -> None:
-        """The latest scheduled step took ``seconds``: refit the cost model, count it."""
-        self.step_cost.observe(self.last_shape, seconds)
+    def urgent_due(self) -> bool:
+        """Whether an urgent step should run now, during the long prompts' step: a prompt
+        that fits in a target step waits, or decodes have waited half a target (their gap
+        is then up to that, one layer of the long step and their own step)."""
+        assert self.step_target is not None
+        for branch in self.waiting:
+            if branch.uncached is None:  # arrived during the step: its hit, once
+                branch.uncached = len(branch.token_ids) - self._cached_tokens(branch)
+            if not self._is_long(branch, branch.uncached):
+                return True
+        others = [b for b in self.running if b not in self.in_flight]
+        if any(not is_decode(b) and not self._is_long(b, remaining(b)) for b in others):
+            return True
+        due = self.clock() - self._last_decode >= self.step_target / 2
+        return due and any(is_decode(b) for b in others)
+
+    def land(self) -> None:
+        """The long prompts' step is computed (or failed): its branches are free again."""
+        self.in_flight.clear()
+        self._in_flight_blocks.clear()
+
+    def _long_prefills(self) -> list[tuple[Branch, int]]:
+        """Prefills, running or waiting, that one target step cannot finish, in order."""
+        return [(b, n) for b, n in self._prefill_order() if self._is_long(b, n)]
+
+    def _is_long(self, branch: Branch, uncached: int) -> bool:
+        """Whether ``uncached`` more tokens of ``branch`` exceed one target step alone."""
+        assert self.step_target is not None
+        start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
+        fits = self.step_cost.tokens_fitting(StepShape(), start, uncached, self.step_target)
+        return fits < uncached
+
+    def _schedule_long(self, long: list[tuple[Branch, int]]) -> list[ScheduledChunk]:
+        """The long prompts' own step: each as much as the budget left, in order."""
+        budget = min(self.max_num_batched_tokens, LONG_STEP_TOKENS)
+        admission = _Admission(self._busy_owners())
+        chunks: list[ScheduledChunk] = []
+        prefilled: set[Branch] = set()
+        waits: dict[Branch, str] = {}
+        self._paused.clear()
+        for branch, _ in long:
+            if budget == 0:
+                break
+            why = None
+            if branch in self._paused:
+                why = "priority"
+            elif branch.seq is None:
+                why = self._admit_or_why_not(branch, admission, prefilled)
+            if why is not None:
+                waits[branch] = why
+                continue
+            chunk = self._next_chunk(branch, budget)
+            chunks.append(chunk)
+            prefilled.add(branch)
+            budget -= chunk.num_tokens
+        self._count_passed_over(admission.admitted)
+        self._count_skipped(prefilled)
+        self._count_waits(waits, prefilled)
+        self._fly(chunks)
+        return chunks
+
+    def _fly(self, chunks: list[ScheduledChunk]) -> None:
+        """Mark a long step's branches and the blocks it writes as in flight."""
+        size = self.manager.block_size
+        for chunk in chunks:
+            assert chunk.branch.seq is not None
+            table = chunk.branch.seq.block_table
+            end = cdiv(chunk.start + chunk.num_tokens, size)
+            self._in_flight_blocks.update(table[chunk.start // size : end])
+            self.in_flight.add(chunk.branch)
+
+    def observe_step(self, seconds: float, shape: StepShape | None = None) -> None:
+        """A step of ``shape`` (the latest scheduled) took ``seconds``: refit the cost model,
+        count it."""
+        self.step_cost.observe(self.last_shape if shape is None else shape, seconds)
         self.step_times.observe(seconds)
         for reason, count in self.last_waits.items():  # each waiting branch waited it out
             self.queue_seconds[reason] += count * seconds
@@ -190,14 +296,15 @@ class Scheduler:
         self._count_passed_over(admitted)
         return chunks
 
-    def _schedule_timed(self, target: float) -> list[ScheduledChunk]:
-        """Decodes first, then prefills in priority order, each sized to the time left."""
+    def _schedule_timed(self, target: float, urgent: bool = False) -> list[ScheduledChunk]:
+        """Decodes first, then prefills in priority order, each sized to the time left.
+        ``urgent``: none of the long step's branches, no long prompt, the target binding."""
         budget = self.max_num_batched_tokens
-        decodes = [b for b in self.running if is_decode(b)][:budget]
-        chunks = [self._next_chunk(b, 1) for b in decodes]
+        decodes = [b for b in self.running if is_decode(b) and b not in self.in_flight]
+        chunks = [self._next_chunk(b, 1) for b in decodes[:budget]]
         budget -= len(chunks)
         shape = step_shape(chunks)  # what the step costs so far
-        binding = self._target_binds()
+        binding = self._target_binds() or urgent
         admission = _Admission(self._busy_owners())
         prefilled: set[Branch] = set()
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
@@ -206,6 +313,8 @@ class Scheduler:
         for branch, uncached in self._prefill_order():
             if budget == 0:
                 break
+            if branch in self.in_flight or (urgent and self._is_long(branch, uncached)):
+                continue
             start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
             room = budget
             if binding:
@@ -239,7 +348,7 @@ class Scheduler:
 
     def _target_binds(self) -> bool:
         """More than one branch is here, or was less than ``SHARED_HOLD`` seconds ago."""
-        now = self._clock()
+        now = self.clock()
         if len(self.running) + len(self.waiting) > 1:
             self._shared_until = now + SHARED_HOLD
         return now < self._shared_until
@@ -253,6 +362,8 @@ class Scheduler:
             return admission.blocked
         if self.loader is not None and not self.loader.ready(branch):
             return "tier_load"  # its prompt's blocks are on their way from the tier
+        if self._in_flight_blocks and self._reads_in_flight(branch):
+            return "step_time"  # its prefix is being computed by the long step
         if owner in admission.deferred or (owner in admission.busy and self._crowds_out(branch)):
             admission.deferred.add(owner)  # it waits for its own blocks; others may go first
             return "fairness"
@@ -263,6 +374,14 @@ class Scheduler:
         admission.busy.add(owner)
         branch.passed_over = 0  # it had its turn: running, only skipped steps age it
         return None
+
+    def _reads_in_flight(self, branch: Branch) -> bool:
+        """Whether ``branch``'s cached prefix reaches blocks the long step is still writing."""
+        request = branch.request
+        hits = self.manager.matched_block_ids(
+            branch.token_ids, request.cache_salt, min_hit_tokens=request.min_hit_tokens
+        )
+        return not self._in_flight_blocks.isdisjoint(hits)
 
     def _count_waits(self, waits: dict[Branch, str], prefilled: set[Branch]) -> None:
         """Why each branch still waiting waits: its own reason, else more urgent work in the
@@ -321,6 +440,7 @@ class Scheduler:
             if not is_decode(b)
             and b.request.priority > priority
             and b not in prefilled
+            and b not in self.in_flight
             and not self._aged(b)
         ]
         if not prefills:
@@ -341,7 +461,7 @@ class Scheduler:
         for branch in self.running:
             if branch in prefilled:
                 branch.skipped_steps = 0
-            elif prefilled and not is_decode(branch):
+            elif prefilled and not is_decode(branch) and branch not in self.in_flight:
                 branch.skipped_steps += 1
 
     def _next_chunk(self, branch: Branch, budget: int) -> ScheduledChunk:
@@ -455,8 +575,10 @@ class Scheduler:
         return Room.APPENDED
 
     def preempt_last(self) -> Branch:
-        """Free the most recently admitted running branch; it will be recomputed."""
-        victim = self.running.pop()
+        """Free the most recently admitted running branch (not one the long step is
+        computing); it will be recomputed."""
+        victim = next(b for b in reversed(self.running) if b not in self.in_flight)
+        self.running.remove(victim)
         self._release(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -465,6 +587,7 @@ class Scheduler:
 
     def finish(self, branch: Branch) -> None:
         """Drop a branch that has finished or been aborted, freeing its blocks."""
+        assert branch not in self.in_flight, "a branch left while its step was computed"
         if branch in self.running:
             self.running.remove(branch)
         elif branch in self.waiting:
