@@ -96,36 +96,47 @@ class Run:
         self.flood_first: float | None = None
         self.flood_last = 0.0
         self.start = time.perf_counter()
+        self.count = 0
+        self.params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+        self.flood_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def now(self) -> float:
         return time.perf_counter() - self.start
 
     def go(self) -> Result:
-        params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-        flood_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        count = 0
+        # as a server's engine thread does: arrivals are taken, and outputs handed on, between
+        # the layers of a long prompts' step too
+        self.engine.between.arrivals = self.arrive
+        self.engine.between.on_outputs = self._outputs
         while self.ready or self.running:
-            now = self.now()
-            while self.ready and self.ready[0][0] <= now:
-                _, name = heapq.heappop(self.ready)
-                count += 1
-                self._submit(self.agents[name], f"{name}-{count}", params)
-            while self.flood and self.flood[0] <= now:
-                self.flood.pop(0)
-                count += 1
-                self.engine.add_request(
-                    f"flood-{count}", tokens(self.flood_rng, FLOOD_TOKENS), flood_params,
-                    cache_salt="flood", owner="flood",
-                )  # fmt: skip
+            self.arrive()
             if not self.engine.has_unfinished_requests():
                 time.sleep(0.005)
                 continue
-            for output in self.engine.step():
-                if output.finished:
-                    self._finished(output)
+            self._outputs(self.engine.step())
         self.result.flood_span = self.flood_last - (self.flood_first or 0.0)
         self.result.saved_hits = self.engine.manager.stats.retention_saved_hits
         return self.result
+
+    def arrive(self) -> None:
+        """Add the agents' turns and flood prompts whose time has come."""
+        now = self.now()
+        while self.ready and self.ready[0][0] <= now:
+            _, name = heapq.heappop(self.ready)
+            self.count += 1
+            self._submit(self.agents[name], f"{name}-{self.count}", self.params)
+        while self.flood and self.flood[0] <= now:
+            self.flood.pop(0)
+            self.count += 1
+            self.engine.add_request(
+                f"flood-{self.count}", tokens(self.flood_rng, FLOOD_TOKENS), self.flood_params,
+                cache_salt="flood", owner="flood",
+            )  # fmt: skip
+
+    def _outputs(self, outputs: list) -> None:
+        for output in outputs:
+            if output.finished:
+                self._finished(output)
 
     def _submit(self, agent: Agent, request_id: str, params: SamplingParams) -> None:
         keeps = (Keep(len(agent.history), FIVE_MINUTES, "5m"),) if self.keep else ()
