@@ -3,7 +3,7 @@
 The tiny models run in float64, so a different batching cannot flip a greedy choice: every
 request's tokens must equal those of an engine that steps in tokens only. What counts as
 long comes from the cost model's fixed prior (1.1 ms a token: over ~45 new tokens do not fit
-a 60 ms step), and decodes fall due by a fake clock, never by real time.
+four 60 ms steps), and decodes fall due by a fake clock, never by real time.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.step_cost import StepCost
 
 TARGET_MS = 60.0
+LONG = 400  # new tokens: over the ~200 that four target steps finish, by the prior
 
 
 def greedy(tokens: int) -> SamplingParams:
@@ -67,9 +68,9 @@ class Arrivals:
 
 def test_a_short_prompt_arriving_mid_step_gets_its_first_token_before_the_long_step_lands():
     engine = interleaving_engine()
-    engine.add_request("long", prompt(1, 200), greedy(2))
+    engine.add_request("long", prompt(1, LONG), greedy(2))
     arrivals = Arrivals(engine, {1: [("short", prompt(2, 12), 2)]})
-    outputs = engine.step()  # the long prompt's 200 tokens: one step of its own
+    outputs = engine.step()  # the long prompt: one step of its own
     early = [o for o in arrivals.delivered if o.request_id == "short"]
     assert early and early[0].token_ids  # delivered during the long step, not after it
     assert early[-1].finished  # its decode too: time stands still, a decode is always due
@@ -86,7 +87,7 @@ def test_running_streams_get_tokens_between_the_long_steps_layers():
     engine.step()  # prefilled: the stream now decodes
     now = [0.0]
     engine.scheduler.clock = lambda: now.__setitem__(0, now[0] + 1.0) or now[0]  # always due
-    engine.add_request("long", prompt(4, 300), greedy(1))
+    engine.add_request("long", prompt(4, LONG), greedy(1))
     arrivals = Arrivals(engine, {})
     outputs = engine.step()
     streamed = [len(o.token_ids) for o in arrivals.delivered if o.request_id == "stream"]
@@ -100,16 +101,16 @@ def test_running_streams_get_tokens_between_the_long_steps_layers():
 
 def test_a_prompt_whose_prefix_the_long_step_is_computing_waits_for_it_then_hits():
     engine = interleaving_engine()
-    shared = prompt(5, 120)
+    shared = prompt(5, LONG + 20)
     engine.add_request("long", shared, greedy(2))
-    Arrivals(engine, {0: [("same start", shared[:100] + prompt(6, 6), 3)]})
+    Arrivals(engine, {0: [("same start", shared[:LONG] + prompt(6, 6), 3)]})
     engine.step()  # the follower's hit would read blocks the long step was still writing
     assert "same start" not in engine.scheduler.in_flight
     follower = next(b for b in engine.scheduler.waiting if b.request.request_id == "same start")
     assert follower.seq is None  # it waited for the step
     finals = run_to_completion(engine)
-    assert finals["same start"].num_cached_tokens == 100  # then hit what it had computed
-    expected = reference_tokens({"same start": (shared[:100] + prompt(6, 6), 3)})
+    assert finals["same start"].num_cached_tokens == LONG  # then hit what it had computed
+    expected = reference_tokens({"same start": (shared[:LONG] + prompt(6, 6), 3)})
     assert finals["same start"].token_ids == expected["same start"]
     assert_pool_clean(engine)
 
@@ -117,7 +118,7 @@ def test_a_prompt_whose_prefix_the_long_step_is_computing_waits_for_it_then_hits
 def test_an_abort_sent_during_a_long_step_waits_for_it_to_land():
     engine = interleaving_engine()
     driver = AsyncLLMEngine(engine)  # not started: this thread plays its engine thread
-    engine.add_request("long", prompt(7, 200), greedy(3))
+    engine.add_request("long", prompt(7, LONG), greedy(3))
     added = driver._submit(AddRequest("short", prompt(8, 10), greedy(2)))
     aborted = driver._submit(AbortRequest("long"))  # its blocks are being written
     engine.step()
@@ -129,16 +130,16 @@ def test_an_abort_sent_during_a_long_step_waits_for_it_to_land():
 
 
 def test_preemption_between_layers_never_takes_the_long_steps_branches():
-    engine = interleaving_engine(num_kv_blocks=53)  # the stream's 3 blocks and the long 50
+    engine = interleaving_engine(num_kv_blocks=103)  # the stream's 3 blocks, the long's 100
     engine.add_request("stream", prompt(9, 8), greedy(30))
     engine.step()
-    engine.add_request("long", prompt(10, 200), greedy(1))  # admitted last: preempt_last's
+    engine.add_request("long", prompt(10, LONG), greedy(1))  # admitted last: preempt_last's
     engine.scheduler.clock = itertools.count().__next__  # decodes always due
     long_branch = engine.scheduler.waiting[-1]
     finals = run_to_completion(engine)
     assert engine.scheduler.num_preemptions >= 1 and long_branch.num_preemptions == 0
     assert finals["long"].token_ids and len(finals["stream"].token_ids) == 30
-    expected = reference_tokens({"stream": (prompt(9, 8), 30), "long": (prompt(10, 200), 1)})
+    expected = reference_tokens({"stream": (prompt(9, 8), 30), "long": (prompt(10, LONG), 1)})
     assert {r: o.token_ids for r, o in finals.items()} == expected
     assert_pool_clean(engine)
 
@@ -151,11 +152,11 @@ def test_any_arrivals_between_layers_give_the_same_tokens_and_leak_nothing(model
     requests, plan = {}, {}
     for i in range(data.draw(st.integers(1, 6))):
         tokens = data.draw(st.sampled_from([prefix, []])) + prompt(20 + i, data.draw(
-            st.integers(1, 160)))  # fmt: skip
+            st.integers(1, LONG + 30)))  # fmt: skip
         out = data.draw(st.integers(1, 12))
         requests[f"r{i}"] = (tokens, out)
         plan.setdefault(data.draw(st.integers(-1, 8)), []).append((f"r{i}", tokens, out))
-    engine = interleaving_engine(model, num_kv_blocks=data.draw(st.sampled_from([64, 256])))
+    engine = interleaving_engine(model, num_kv_blocks=data.draw(st.sampled_from([256, 1024])))
     for request_id, tokens, out in plan.pop(-1, []):  # these are there from the start
         engine.add_request(request_id, tokens, greedy(out))
     arrivals = Arrivals(engine, plan)
@@ -177,7 +178,7 @@ def test_a_long_prompt_without_a_seat_leaves_the_steps_to_those_running():
     engine = interleaving_engine(max_num_seqs=1)
     engine.add_request("stream", prompt(12, 8), greedy(20))
     engine.step()
-    engine.add_request("long", prompt(13, 200), greedy(1))  # long, and no seat for it
+    engine.add_request("long", prompt(13, LONG), greedy(1))  # long, and no seat for it
     engine.step()
     assert engine.scheduler.last_shape.decode_rows == 1  # the stream went on
     finals = run_to_completion(engine)
@@ -187,21 +188,21 @@ def test_a_long_prompt_without_a_seat_leaves_the_steps_to_those_running():
 
 def test_a_preempted_stream_recomputed_in_a_long_step_is_not_also_decoded_between_layers():
     engine = interleaving_engine(enable_prefix_caching=False)  # the recompute is all new work
-    engine.add_request("stream", prompt(14, 8), greedy(70))
-    for _ in range(60):
+    engine.add_request("stream", prompt(14, 8), greedy(LONG + 20))
+    for _ in range(LONG + 10):
         engine.step()
-    engine.scheduler.preempt_last()  # 8 + 59 tokens to compute again: a long step's
+    engine.scheduler.preempt_last()  # 8 + LONG + 9 tokens to compute again: a long step's
     Arrivals(engine, {0: [("short", prompt(15, 6), 3)]})  # an urgent step between its layers
     engine.step()
     finals = run_to_completion(engine)
-    expected = reference_tokens({"stream": (prompt(14, 8), 70), "short": (prompt(15, 6), 3)})
+    expected = reference_tokens({"stream": (prompt(14, 8), LONG + 20), "short": (prompt(15, 6), 3)})
     assert {r: o.token_ids for r, o in finals.items()} == expected
     assert_pool_clean(engine)
 
 
 def test_an_urgent_step_that_fails_between_layers_aborts_all_and_the_engine_goes_on(monkeypatch):
     engine = interleaving_engine()
-    engine.add_request("long", prompt(16, 200), greedy(2))
+    engine.add_request("long", prompt(16, LONG), greedy(2))
     Arrivals(engine, {1: [("short", prompt(17, 6), 2)]})
     original = engine.model.forward
 
@@ -214,7 +215,7 @@ def test_an_urgent_step_that_fails_between_layers_aborts_all_and_the_engine_goes
     with pytest.raises(RuntimeError, match="simulated"):
         engine.step()
     assert_pool_clean(engine)  # both aborted, the long step landed, nothing half-written kept
-    assert engine.manager.match(prompt(16, 200)) == 0
+    assert engine.manager.match(prompt(16, LONG)) == 0
     monkeypatch.setattr(engine.model, "forward", original)
-    engine.add_request("again", prompt(16, 200), greedy(2))
+    engine.add_request("again", prompt(16, LONG), greedy(2))
     assert len(run_to_completion(engine)["again"].token_ids) == 2

@@ -23,13 +23,13 @@ without a chunk while running) ages and goes ahead of everything: no request sta
 waiting branch that finds no seat or no room may pause a running prefill of a larger
 priority number at its chunk boundary: the paused branch's committed blocks stay cached.
 
-With ``interleave``, prompts too long to finish within one target step do not go in short
-chunks: they take a step of their own, up to ``LONG_STEP_TOKENS`` (as efficient as a step
-sized in tokens), and between its layers the engine runs *urgent* steps (decodes, and
-prompts that fit in a target step) over every other branch (``schedule_urgent``). The
-long step's branches are ``in_flight`` until it lands: no urgent step schedules, pauses or
-preempts them, and a prompt whose cached prefix reaches blocks the long step is still
-writing waits for it.
+With ``interleave``, a prompt that ``LONG_PROMPT_STEPS`` target steps of its own cannot
+finish does not go in short chunks: it takes a step of its own, up to ``LONG_STEP_TOKENS``
+(as efficient as a step sized in tokens), and between its layers the engine runs *urgent*
+steps (decodes, and the other prompts, timed) over every other branch
+(``schedule_urgent``). The long step's branches are ``in_flight`` until it lands: no
+urgent step schedules, pauses or preempts them, and a prompt whose cached prefix reaches
+blocks the long step is still writing waits for it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ SHARED_HOLD = 0.25
 # waits for at most one of its layers (~35 ms for SmolLM2 on two cores), and 1,024-token
 # steps prefill within a few percent of 2,048-token ones.
 LONG_STEP_TOKENS = 1024
+# A prompt is long (``interleave``) when this many target steps of its own cannot finish it.
+# Shorter ones go in timed chunks: an agent's turn of ~100 new tokens (two target steps)
+# took a 1,024-token long step beside the flood's prompts, a TTFT of 2 s instead of 0.2.
+LONG_PROMPT_STEPS = 4
 
 
 class BlockLoader(Protocol):
@@ -185,8 +189,8 @@ class Scheduler:
 
     def urgent_due(self) -> bool:
         """Whether an urgent step should run now, during the long prompts' step: a prompt
-        that fits in a target step waits, or decodes have waited half a target (their gap
-        is then up to that, one layer of the long step and their own step)."""
+        that is not long waits or runs, or decodes have waited half a target (their gap is
+        then up to that, half a layer of the long step and their own step)."""
         assert self.step_target is not None
         for branch in self.waiting:
             if branch.uncached is None:  # arrived during the step: its hit, once
@@ -209,11 +213,12 @@ class Scheduler:
         return [(b, n) for b, n in self._prefill_order() if self._is_long(b, n)]
 
     def _is_long(self, branch: Branch, uncached: int) -> bool:
-        """Whether ``uncached`` more tokens of ``branch`` exceed one target step alone."""
+        """Whether ``uncached`` more tokens of ``branch`` exceed ``LONG_PROMPT_STEPS``
+        target steps of their own."""
         assert self.step_target is not None
         start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
-        fits = self.step_cost.tokens_fitting(StepShape(), start, uncached, self.step_target)
-        return fits < uncached
+        span = LONG_PROMPT_STEPS * self.step_target
+        return self.step_cost.tokens_fitting(StepShape(), start, uncached, span) < uncached
 
     def _schedule_long(self, long: list[tuple[Branch, int]]) -> list[ScheduledChunk]:
         """The long prompts' own step: each as much as the budget left, in order."""
@@ -376,7 +381,8 @@ class Scheduler:
         return None
 
     def _reads_in_flight(self, branch: Branch) -> bool:
-        """Whether ``branch``'s cached prefix reaches blocks the long step is still writing."""
+        """Whether ``branch``'s cached prefix reaches blocks the long step is still writing
+        (committed at schedule time, rule 9's exception, but not yet computed)."""
         request = branch.request
         hits = self.manager.matched_block_ids(
             branch.token_ids, request.cache_salt, min_hit_tokens=request.min_hit_tokens
