@@ -77,6 +77,8 @@ def test_a_short_prompt_arriving_mid_step_gets_its_first_token_before_the_long_s
     (late,) = [o for o in outputs if o.request_id == "long"]
     assert late.token_ids and late.metrics.first_token_time > early[0].metrics.first_token_time
     assert not engine.scheduler.in_flight  # landed
+    engine.publish_snapshot()
+    assert engine.snapshot.num_long_steps == 1 and engine.snapshot.num_urgent_steps == 2
     run_to_completion(engine)
     assert_pool_clean(engine)
 

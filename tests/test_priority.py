@@ -137,6 +137,7 @@ def test_metrics_show_step_times_against_the_target_and_pauses(served):
     )
     assert float(samples["prefixcache_step_target_seconds"]) == DEFAULT_STEP_TARGET_MS / 1e3
     assert 'prefixcache_prefill_pauses_total{cause="priority"}' in samples
+    assert 'prefixcache_interleaved_steps_total{kind="urgent"}' in samples
     assert 'prefixcache_queue_seconds_total{reason="seats"}' in samples
 
 

@@ -155,6 +155,8 @@ class Scheduler:
         self.in_flight: set[Branch] = set()  # the long prompts' step being computed
         self._in_flight_blocks: set[int] = set()  # blocks that step is still writing
         self._last_decode = -float("inf")  # when a step last carried decode rows
+        self.num_long_steps = 0  # long prompts' own steps (interleave)
+        self.num_urgent_steps = 0  # steps run between a long step's layers
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -171,7 +173,9 @@ class Scheduler:
         chunks = []
         if self.interleave and (long := self._long_prefills()):
             chunks = self._schedule_long(long)
-        if not chunks:  # none long, or none of them can run now (seats, memory, ...)
+        if chunks:
+            self.num_long_steps += 1
+        else:  # none long, or none of them can run now (seats, memory, ...)
             chunks = self._schedule_timed(self.step_target)
         return self._scheduled(chunks)
 
@@ -179,7 +183,9 @@ class Scheduler:
         """Between the long prompts' step's layers: decodes and prompts that fit in a target
         step, timed, over every branch but that step's."""
         assert self.step_target is not None
-        return self._scheduled(self._schedule_timed(self.step_target, urgent=True))
+        chunks = self._schedule_timed(self.step_target, urgent=True)
+        self.num_urgent_steps += bool(chunks)
+        return self._scheduled(chunks)
 
     def _scheduled(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         self.last_shape = step_shape(chunks)

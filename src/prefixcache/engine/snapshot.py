@@ -84,6 +84,8 @@ class EngineSnapshot:
     num_preemptions: int
     num_fair_deferrals: int
     num_pauses: int  # running prefills paused for a more urgent arrival
+    num_long_steps: int  # long prompts' own steps
+    num_urgent_steps: int  # steps run between a long step's layers
     step_target: float | None  # seconds (None: steps sized in tokens only)
     step_seconds: tuple[tuple[str, int], ...]  # measured steps: cumulative (le, count)
     step_seconds_sum: float
@@ -123,6 +125,8 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_preemptions=scheduler.num_preemptions,
         num_fair_deferrals=scheduler.num_fair_deferrals,
         num_pauses=scheduler.num_pauses,
+        num_long_steps=scheduler.num_long_steps,
+        num_urgent_steps=scheduler.num_urgent_steps,
         step_target=scheduler.step_target,
         step_seconds=scheduler.step_times.cumulative(),
         step_seconds_sum=scheduler.step_times.total,

@@ -184,6 +184,13 @@ def step_metrics(snapshot: EngineSnapshot) -> Iterator[Metric]:
     )
     yield by_label(
         CounterMetricFamily,
+        "interleaved_steps",
+        "Long prompts' own steps, and urgent steps run between their layers",
+        "kind",
+        [("long", snapshot.num_long_steps), ("urgent", snapshot.num_urgent_steps)],
+    )
+    yield by_label(
+        CounterMetricFamily,
         "queue_seconds",
         "Seconds branches waited for admission (steps x branches waiting), by reason",
         "reason",
