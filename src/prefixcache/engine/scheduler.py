@@ -222,7 +222,7 @@ class Scheduler:
         """Whether ``uncached`` more tokens of ``branch`` exceed ``LONG_PROMPT_STEPS``
         target steps of their own."""
         assert self.step_target is not None
-        start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
+        start = prefill_start(branch, uncached)
         span = LONG_PROMPT_STEPS * self.step_target
         return self.step_cost.tokens_fitting(StepShape(), start, uncached, span) < uncached
 
@@ -237,21 +237,14 @@ class Scheduler:
         for branch, _ in long:
             if budget == 0:
                 break
-            why = None
-            if branch in self._paused:
-                why = "priority"
-            elif branch.seq is None:
-                why = self._admit_or_why_not(branch, admission, prefilled)
-            if why is not None:
+            if why := self._why_not_now(branch, admission, prefilled):
                 waits[branch] = why
                 continue
             chunk = self._next_chunk(branch, budget)
             chunks.append(chunk)
             prefilled.add(branch)
             budget -= chunk.num_tokens
-        self._count_passed_over(admission.admitted)
-        self._count_skipped(prefilled)
-        self._count_waits(waits, prefilled)
+        self._count_step(admission, prefilled, waits)
         self._fly(chunks)
         return chunks
 
@@ -326,7 +319,7 @@ class Scheduler:
                 break
             if branch in self.in_flight or (urgent and self._is_long(branch, uncached)):
                 continue
-            start = len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
+            start = prefill_start(branch, uncached)
             room = budget
             if binding:
                 limit = min(uncached, budget)
@@ -338,12 +331,7 @@ class Scheduler:
                 room = max(room, min(MIN_PREFILL_CHUNK, budget))
             if room == 0:
                 break
-            why = None
-            if branch in self._paused:  # paused in this step: not back before the next
-                why = "priority"
-            elif branch.seq is None:
-                why = self._admit_or_why_not(branch, admission, prefilled)
-            if why is not None:
+            if why := self._why_not_now(branch, admission, prefilled):
                 waits[branch] = why
                 continue
             chunk = self._next_chunk(branch, room)
@@ -352,10 +340,27 @@ class Scheduler:
             prefilled.add(branch)
             budget -= chunk.num_tokens
             first_token_step = first_token_step or gives_first_token(chunk)
+        self._count_step(admission, prefilled, waits)
+        return chunks
+
+    def _why_not_now(
+        self, branch: Branch, admission: _Admission, prefilled: set[Branch]
+    ) -> str | None:
+        """Why a prefill cannot go in this step (a ``WAIT_REASONS`` name); None if it can,
+        a waiting one admitted."""
+        if branch in self._paused:  # paused in this step: not back before the next
+            return "priority"
+        if branch.seq is None:
+            return self._admit_or_why_not(branch, admission, prefilled)
+        return None
+
+    def _count_step(
+        self, admission: _Admission, prefilled: set[Branch], waits: dict[Branch, str]
+    ) -> None:
+        """A timed or long step is built: who was passed over, left out, left waiting."""
         self._count_passed_over(admission.admitted)
         self._count_skipped(prefilled)
         self._count_waits(waits, prefilled)
-        return chunks
 
     def _target_binds(self) -> bool:
         """More than one branch is here, or was less than ``SHARED_HOLD`` seconds ago."""
@@ -623,6 +628,12 @@ def is_decode(branch: Branch) -> bool:
     seq = branch.seq
     assert seq is not None
     return seq.num_computed_tokens >= seq.num_tokens - 1 and bool(branch.output.token_ids)
+
+
+def prefill_start(branch: Branch, uncached: int) -> int:
+    """Where a prefill of ``uncached`` more tokens starts: past the hit of a waiting branch,
+    past what a running one computed."""
+    return len(branch.token_ids) - uncached if branch.seq is None else computed(branch)
 
 
 def computed(branch: Branch) -> int:
