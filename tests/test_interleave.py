@@ -221,3 +221,13 @@ def test_an_urgent_step_that_fails_between_layers_aborts_all_and_the_engine_goes
     monkeypatch.setattr(engine.model, "forward", original)
     engine.add_request("again", prompt(16, LONG), greedy(2))
     assert len(run_to_completion(engine)["again"].token_ids) == 2
+
+
+def test_the_cost_model_learns_each_step_by_its_own_shape():
+    engine = interleaving_engine()
+    observed = []
+    engine.scheduler.observe_step = lambda seconds, shape: observed.append(shape)
+    engine.add_request("long", prompt(18, LONG), greedy(1))
+    Arrivals(engine, {0: [("short", prompt(19, 12), 1)]})  # runs before the long forward
+    engine.step()
+    assert [s.prefill_tokens for s in observed] == [12, LONG]  # not the urgent one's twice

@@ -38,7 +38,7 @@ from prefixcache.engine.quant import weights_kernel
 from prefixcache.engine.request import Branch, FinishReason, Request, RequestOutput
 from prefixcache.engine.sampling import History, sample
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler
+from prefixcache.engine.scheduler import Room, ScheduledChunk, Scheduler, step_shape
 from prefixcache.engine.scrub import BlockScrubber
 from prefixcache.engine.snapshot import EngineSnapshot, take_snapshot
 from prefixcache.engine.stopping import (
@@ -458,8 +458,7 @@ class LLMEngine:
         batch = ForwardBatch.build(
             chunks, self.config.block_size, () if windows is None else windows.windows
         )
-        shape, between = self.scheduler.last_shape, self.between.seconds
-        started = time.perf_counter()
+        between, started = self.between.seconds, time.perf_counter()
         extra = {} if between_layers is None else {"between_layers": between_layers}
         try:
             with torch.inference_mode():
@@ -480,7 +479,7 @@ class LLMEngine:
             raise
         elapsed = time.perf_counter() - started - (self.between.seconds - between)
         self._track_speed(batch.num_tokens, elapsed)
-        self.scheduler.observe_step(elapsed, shape)  # the cost model learns the forward's time
+        self.scheduler.observe_step(elapsed, step_shape(chunks))  # the cost model learns it
         if self.tier is not None:  # their KV is computed now: copy it out for the tier
             self.tier.write_computed(chunks)
         return logits
@@ -591,6 +590,7 @@ class LLMEngine:
     def _drop_failed_step(self) -> None:
         """A forward failed: its committed blocks hold no KV. Abort all, forget the cache."""
         self.scheduler.land()  # an urgent step failed between a long step's layers
+        self.between.release()  # its held outputs: of requests aborted now
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.manager.reset()
