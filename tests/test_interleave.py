@@ -231,3 +231,27 @@ def test_the_cost_model_learns_each_step_by_its_own_shape():
     Arrivals(engine, {0: [("short", prompt(19, 12), 1)]})  # runs before the long forward
     engine.step()
     assert [s.prefill_tokens for s in observed] == [12, LONG]  # not the urgent one's twice
+
+
+def test_a_short_prompt_waiting_beside_a_long_one_runs_before_the_long_step():
+    engine = interleaving_engine()
+    engine.add_request("long", prompt(20, LONG), greedy(1))
+    engine.add_request("short", prompt(21, 12), greedy(1))
+    arrivals = Arrivals(engine, {})
+    outputs = engine.step()  # the long prompts' step: the short one is not in it
+    (short,) = [o for o in arrivals.delivered if o.request_id == "short"]
+    (long,) = [o for o in outputs if o.request_id == "long"]
+    assert short.finished and short.metrics.first_token_time < long.metrics.first_token_time
+
+
+def test_a_short_prompt_that_cannot_run_does_not_make_every_layer_an_urgent_step():
+    engine = interleaving_engine(max_num_seqs=2)
+    engine.add_request("stream", prompt(22, 8), greedy(30))
+    engine.step()
+    engine.add_request("long", prompt(23, LONG), greedy(1))
+    Arrivals(engine, {0: [("no seat", prompt(24, 12), 1)]})  # both seats are taken
+    engine.step()
+    assert engine.scheduler.num_urgent_steps == 1  # the stream's one token, not one a layer
+    finals = run_to_completion(engine)
+    assert finals["no seat"].token_ids
+    assert_pool_clean(engine)

@@ -157,6 +157,7 @@ class Scheduler:
         self._last_decode = -float("inf")  # when a step last carried decode rows
         self.num_long_steps = 0  # long prompts' own steps (interleave)
         self.num_urgent_steps = 0  # steps run between a long step's layers
+        self._tried_arrivals = 0  # arrivals up to this one were offered an urgent step
 
     def add(self, branch: Branch) -> None:
         """Queue a new branch for admission."""
@@ -170,13 +171,13 @@ class Scheduler:
         assert not self.in_flight, "the long prompts' step has not landed"
         if self.step_target is None:
             return self._scheduled(self._schedule_tokens())
-        chunks = []
-        if self.interleave and (long := self._long_prefills()):
+        chunks, order = [], self._prefill_order()
+        if self.interleave and (long := [(b, n) for b, n in order if self._is_long(b, n)]):
             chunks = self._schedule_long(long)
         if chunks:
             self.num_long_steps += 1
         else:  # none long, or none of them can run now (seats, memory, ...)
-            chunks = self._schedule_timed(self.step_target)
+            chunks = self._schedule_timed(self.step_target, order=order)
         return self._scheduled(chunks)
 
     def schedule_urgent(self) -> list[ScheduledChunk]:
@@ -184,6 +185,7 @@ class Scheduler:
         step, timed, over every branch but that step's."""
         assert self.step_target is not None
         chunks = self._schedule_timed(self.step_target, urgent=True)
+        self._tried_arrivals = self._arrivals  # every short one waiting had its chance
         self.num_urgent_steps += bool(chunks)
         return self._scheduled(chunks)
 
@@ -195,10 +197,12 @@ class Scheduler:
 
     def urgent_due(self) -> bool:
         """Whether an urgent step should run now, during the long prompts' step: a prompt
-        that is not long waits or runs, or decodes have waited half a target (their gap is
+        that is not long arrived or runs, or decodes have waited half a target (their gap is
         then up to that, half a layer of the long step and their own step)."""
         assert self.step_target is not None
-        for branch in self.waiting:
+        for branch in self.waiting:  # arrived since the last try: one that waits still waits
+            if branch.arrival <= self._tried_arrivals:
+                continue
             if branch.uncached is None:  # arrived during the step: its hit, once
                 branch.uncached = len(branch.token_ids) - self._cached_tokens(branch)
             if not self._is_long(branch, branch.uncached):
@@ -213,10 +217,6 @@ class Scheduler:
         """The long prompts' step is computed (or failed): its branches are free again."""
         self.in_flight.clear()
         self._in_flight_blocks.clear()
-
-    def _long_prefills(self) -> list[tuple[Branch, int]]:
-        """Prefills, running or waiting, that one target step cannot finish, in order."""
-        return [(b, n) for b, n in self._prefill_order() if self._is_long(b, n)]
 
     def _is_long(self, branch: Branch, uncached: int) -> bool:
         """Whether ``uncached`` more tokens of ``branch`` exceed ``LONG_PROMPT_STEPS``
@@ -300,7 +300,12 @@ class Scheduler:
         self._count_passed_over(admitted)
         return chunks
 
-    def _schedule_timed(self, target: float, urgent: bool = False) -> list[ScheduledChunk]:
+    def _schedule_timed(
+        self,
+        target: float,
+        urgent: bool = False,
+        order: list[tuple[Branch, int]] | None = None,
+    ) -> list[ScheduledChunk]:
         """Decodes first, then prefills in priority order, each sized to the time left.
         ``urgent``: none of the long step's branches, no long prompt, the target binding."""
         budget = self.max_num_batched_tokens
@@ -314,7 +319,7 @@ class Scheduler:
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
         first_token_step = False  # a chunk of this step ends its prompt
         self._paused.clear()
-        for branch, uncached in self._prefill_order():
+        for branch, uncached in self._prefill_order() if order is None else order:
             if budget == 0:
                 break
             if branch in self.in_flight or (urgent and self._is_long(branch, uncached)):
