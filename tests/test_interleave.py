@@ -255,3 +255,20 @@ def test_a_short_prompt_that_cannot_run_does_not_make_every_layer_an_urgent_step
     finals = run_to_completion(engine)
     assert finals["no seat"].token_ids
     assert_pool_clean(engine)
+
+
+def test_a_lone_prompt_between_layers_goes_whole_and_beside_a_stream_in_timed_chunks():
+    engine = interleaving_engine()
+    engine.add_request("long", prompt(25, LONG), greedy(1))
+    Arrivals(engine, {0: [("turn", prompt(26, 150), 1)]})  # 150 tokens: three target steps
+    engine.step()
+    assert engine.scheduler.num_urgent_steps == 1  # nobody else to wait for it
+    run_to_completion(engine)
+    engine.add_request("stream", prompt(27, 8), greedy(30))
+    engine.step()
+    engine.add_request("long 2", prompt(28, LONG), greedy(1))
+    Arrivals(engine, {0: [("turn 2", prompt(29, 150), 1)]})
+    engine.step()
+    assert engine.scheduler.num_urgent_steps >= 1 + 3  # the stream's gap bounds its steps
+    run_to_completion(engine)
+    assert_pool_clean(engine)

@@ -218,6 +218,10 @@ class Scheduler:
         self.in_flight.clear()
         self._in_flight_blocks.clear()
 
+    def _in_long_step(self, branch: Branch, uncached: int) -> bool:
+        """In the long step being computed, or long: for one of its own, not urgent."""
+        return branch in self.in_flight or self._is_long(branch, uncached)
+
     def _is_long(self, branch: Branch, uncached: int) -> bool:
         """Whether ``uncached`` more tokens of ``branch`` exceed ``LONG_PROMPT_STEPS``
         target steps of their own."""
@@ -307,23 +311,27 @@ class Scheduler:
         order: list[tuple[Branch, int]] | None = None,
     ) -> list[ScheduledChunk]:
         """Decodes first, then prefills in priority order, each sized to the time left.
-        ``urgent``: none of the long step's branches, no long prompt, the target binding."""
+        ``urgent``: none of the long step's branches and no long prompt; the target binds
+        only for decodes or more than one prompt (a lone prompt is at most a few steps)."""
         budget = self.max_num_batched_tokens
         decodes = [b for b in self.running if is_decode(b) and b not in self.in_flight]
         chunks = [self._next_chunk(b, 1) for b in decodes[:budget]]
         budget -= len(chunks)
         shape = step_shape(chunks)  # what the step costs so far
-        binding = self._target_binds() or urgent
+        prefills = self._prefill_order() if order is None else order
+        if urgent:
+            prefills = [(b, n) for b, n in prefills if not self._in_long_step(b, n)]
+            binding = bool(decodes) or len(prefills) > 1
+        else:
+            binding = self._target_binds()
         admission = _Admission(self._busy_owners())
         prefilled: set[Branch] = set()
         waits: dict[Branch, str] = {}  # why a waiting branch was not admitted
         first_token_step = False  # a chunk of this step ends its prompt
         self._paused.clear()
-        for branch, uncached in self._prefill_order() if order is None else order:
+        for branch, uncached in prefills:
             if budget == 0:
                 break
-            if branch in self.in_flight or (urgent and self._is_long(branch, uncached)):
-                continue
             start = prefill_start(branch, uncached)
             room = budget
             if binding:
