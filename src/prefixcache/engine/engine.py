@@ -459,7 +459,6 @@ class LLMEngine:
             chunks, self.config.block_size, () if windows is None else windows.windows
         )
         between, started = self.between.seconds, time.perf_counter()
-        extra = {} if between_layers is None else {"between_layers": between_layers}
         try:
             with torch.inference_mode():
                 hidden = self.model(
@@ -468,7 +467,7 @@ class LLMEngine:
                     batch.metadata,
                     self.kv_store,
                     fused=self.config.fused_decode,
-                    **extra,
+                    between_layers=between_layers,
                 )
                 logits = (
                     self.model.compute_logits(hidden[batch.logit_rows]) if batch.sampled else None

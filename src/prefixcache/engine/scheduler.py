@@ -61,8 +61,8 @@ FIRST_TOKEN_STEP_SHARE = 0.25
 # done (1.20-1.33x of alone, against 1.09-1.17x at 0.25 s).
 SHARED_HOLD = 0.25
 # A long prompts' step (``interleave``) takes at most this many tokens: an urgent arrival
-# waits for at most one of its layers (~35 ms for SmolLM2 on two cores), and 1,024-token
-# steps prefill within a few percent of 2,048-token ones.
+# waits for at most half of one of its layers (~17 ms for SmolLM2 on two cores), and
+# 1,024-token steps prefill within a few percent of 2,048-token ones.
 LONG_STEP_TOKENS = 1024
 # A prompt is long (``interleave``) when this many target steps of its own cannot finish it.
 # Shorter ones go in timed chunks: an agent's turn of ~100 new tokens (two target steps)
@@ -181,8 +181,8 @@ class Scheduler:
         return self._scheduled(chunks)
 
     def schedule_urgent(self) -> list[ScheduledChunk]:
-        """Between the long prompts' step's layers: decodes and prompts that fit in a target
-        step, timed, over every branch but that step's."""
+        """Between the long prompts' step's layers: decodes and prompts that are not long,
+        over every branch but that step's."""
         assert self.step_target is not None
         chunks = self._schedule_timed(self.step_target, urgent=True)
         self._tried_arrivals = self._arrivals  # every short one waiting had its chance
