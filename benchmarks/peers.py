@@ -17,12 +17,14 @@ Ours runs twice: as `make serve` runs it (fp32 activations, exact), and with
 `--decode-activations int8` (activations rounded to int8 per 32 in the decode kernels, as
 llama.cpp's CPU kernels do).
 The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
-slots of 2,304 tokens each, `-c 36864`, so the 2,000-token prompt fits one; `--no-repack`:
-ggml's AMX repacking crashes on this GGUF on this machine's CPU) and,
-where `make bench-peers` built `.venv-peers`, llama-cpp-python's server (which takes text
-prompts only: it gets the ids decoded, and tokenizes them itself). Ratios > 1: we are
-faster. One run: the machine is shared, so compare the ratios, not the seconds. The CPU's
-model and vector flags are printed first: a goal must hold on every CPU.
+slots of 2,304 tokens each, `-c 36864`, so the 2,000-token prompt fits one; at its defaults,
+weight repacking on) and, where `make bench-peers` built `.venv-peers`, llama-cpp-python's
+server (which takes text prompts only: it gets the ids decoded, and tokenizes them itself).
+Ratios > 1: we are faster. One run: the machine is shared, so compare the ratios, not the
+seconds. The CPU's model and vector flags are printed first: a goal must hold on every CPU.
+`--isa avx2` runs both sides on an AVX2 machine's instructions on a bigger CPU: llama-server
+built for AVX2 (`llama_server.py`), our kernels compiled for x86-64-v3 and torch's kernels,
+MKL's and oneDNN's capped at AVX2 (`ISA_ENVIRONMENTS`); the cores stay this CPU's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pathlib import Path
 import httpx
 
 import tokenize_peers
-from llama_server import RUN_FLAGS, ensure_built
+from llama_server import ensure_built
 from servers import free_port, interrupt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +67,15 @@ SHORT_PROMPTS = (  # each seen once per server: nothing cached
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 2000
 MODELS = ("smollm2", "gemma3-270m")
+ISA_ENVIRONMENTS = {  # what each side's server process runs with, by `--isa`
+    "native": {},
+    "avx2": {
+        "PREFIXCACHE_KERNEL_MARCH": "x86-64-v3",  # our kernels (kernels/__init__.py)
+        "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized kernels
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # torch's sgemm
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+}
 Starter = Callable[[int], subprocess.Popen]
 
 
@@ -100,9 +111,11 @@ def our_server(
     caching: bool = True,
     extra: tuple[str, ...] = (),
     tier: bool = True,
+    isa: str = "native",
 ) -> Starter:
     """`make serve`'s command line (a disk tier in a temporary folder, unless not ``tier``)
-    on `port`, and ``extra`` flags."""
+    on `port`, and ``extra`` flags, in ``isa``'s environment."""
+    env = {**os.environ, **ISA_ENVIRONMENTS[isa]}
 
     def start(port: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1"]
@@ -110,7 +123,9 @@ def our_server(
         if tier:
             command += ["--kv-tier", f"disk:{tempfile.mkdtemp(dir=_TIERS.name)}"]
         command += [*([] if caching else ["--no-prefix-caching"]), *extra]
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
 
     return start
 
@@ -128,7 +143,7 @@ def llama_server(
     def start(port: int) -> subprocess.Popen:
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
         command += ["-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", str(slots)]
-        command += [*RUN_FLAGS, *extra]
+        command += extra
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     return start
@@ -305,30 +320,41 @@ def model_prompts(tokenizer) -> Prompts:
     )
 
 
-def compare(model: Path, threads: int, peer_python: Path) -> None:
+def compare(model: Path, threads: int, peer_python: Path, isa: str = "native") -> None:
     """Every case on every server for one model file: the table and what caching buys."""
     from prefixcache.engine.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     prompts = model_prompts(tokenizer)
     int8 = ("--decode-activations", "int8")
+    binary = ensure_built(isa)
     servers = {
-        "prefixcache": Peer(our_server(model, threads)),
-        "prefixcache int8": Peer(our_server(model, threads, extra=int8)),
-        "llama-server": Peer(llama_server(ensure_built(), model, threads)),
+        "prefixcache": Peer(our_server(model, threads, isa=isa)),
+        "prefixcache int8": Peer(our_server(model, threads, extra=int8, isa=isa)),
+        "llama-server": Peer(llama_server(binary, model, threads)),
     }
-    if peer_python.exists():  # its server has no /health
+    if peer_python.exists() and isa == "native":  # its server has no /health
         start = llama_cpp_python(peer_python, model, threads)
         servers["llama-cpp-python"] = Peer(start, "/v1/models", tokenizer.decode)
     print(f"\n{model.name}, {threads} threads, one run")
-    tokenize_peers.compare(ensure_built(), model)  # token ids against llama-server's
+    tokenize_peers.compare(binary, model)  # token ids against llama-server's
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results = {name: measure(peer, prompts) for name, peer in servers.items()}
     print("\n".join(table(results)))
-    off = at_once(Peer(our_server(model, threads, caching=False)), prompts)["seconds"]
+    off = at_once(Peer(our_server(model, threads, caching=False, isa=isa)), prompts)["seconds"]
     on = results["prefixcache"]["many"]["seconds"]
     print(f"  ours, 16 at once: caching off {off:.2f} s, on {on:.2f} s: {off / on:.2f}x")
     print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def build_kernels(isa: str) -> None:
+    """Our kernels for ``isa``, built before any server starts (its start-up time is timed),
+    and refused unless their decoders are ``isa``'s."""
+    ask = "from prefixcache.engine import kernels; kernels.available(); print(kernels.decoders())"
+    env = {**os.environ, **ISA_ENVIRONMENTS[isa]}
+    said = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True)
+    if said.stdout.strip() != isa:
+        raise RuntimeError(f"kernels for {isa}: decoders {said.stdout.strip()!r} {said.stderr}")
 
 
 def main() -> None:
@@ -336,14 +362,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="every side")
     parser.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     parser.add_argument("--model", action="append", help=f"name or GGUF (default: {MODELS})")
+    parser.add_argument("--isa", choices=tuple(ISA_ENVIRONMENTS), default="native")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from prefixcache.engine.model_files import model_source
 
     print("prefixcache vs llama.cpp over HTTP")
     print(cpu_line())
+    if args.isa != "native":
+        print(f"instructions: {args.isa} only, on both sides (this CPU's cores)")
+        build_kernels(args.isa)
     for name in args.model or MODELS:
-        compare(model_source(name), args.threads, args.peer_python)
+        compare(model_source(name), args.threads, args.peer_python, args.isa)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from llama_server import RUN_FLAGS, ensure_built
+from llama_server import ensure_built
 from servers import free_port, interrupt, wait_healthy
 
 MODELS = ("smollm2", "gemma3-270m")
@@ -85,7 +85,7 @@ def compare(binary: Path, model: Path) -> int:
     port = free_port()
     command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(
-        [*command, "-c", "512", "-t", "1", *RUN_FLAGS],
+        [*command, "-c", "512", "-t", "1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -27,3 +27,21 @@ def test_a_build_that_cannot_run_leaves_nothing(
         kernels.build(target)
     assert not target.exists()
     assert not target.parent.exists() or not list(target.parent.iterdir())  # no temporary
+
+
+def test_a_march_from_the_environment_builds_a_library_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    native = kernels.library_path()
+    monkeypatch.setenv(kernels.MARCH_VARIABLE, "x86-64-v3")
+    assert "-march=x86-64-v3" in kernels.flags() and "-march=native" not in kernels.flags()
+    assert kernels.library_path() != native  # never loads the native build for it
+
+
+@pytest.mark.parametrize("value", ["native; rm -rf /", "x86-64-v3 -fplugin=evil.so", "$(id)"])
+def test_a_march_that_is_not_a_name_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(kernels.MARCH_VARIABLE, value)
+    with pytest.raises(kernels.BuildError, match=f"{kernels.MARCH_VARIABLE}=.*-march name"):
+        kernels.flags()

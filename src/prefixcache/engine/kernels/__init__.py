@@ -51,6 +51,9 @@ SOURCES = (
 )
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
 LINK_ONLY = ("-shared",)  # FLAGS an object file's compile leaves out
+# `-march=` for another instruction set than this CPU's: `x86-64-v3` runs an AVX2 machine's
+# kernels on an AVX-512 one (`benchmarks/peers.py --isa avx2`).
+MARCH_VARIABLE = "PREFIXCACHE_KERNEL_MARCH"
 _HERE = Path(__file__).resolve().parent
 
 log = logging.getLogger(__name__)
@@ -67,8 +70,18 @@ def library_path(folder: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
-    digest.update(" ".join((torch.__version__, *FLAGS, _cpu_features())).encode())
+    digest.update(" ".join((torch.__version__, *flags(), _cpu_features())).encode())
     return (folder or default_cache_dir()) / "kernels" / f"prefixcache-{digest.hexdigest()[:24]}.so"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler's flags: FLAGS, with `-march=$PREFIXCACHE_KERNEL_MARCH` where it is set."""
+    march = os.environ.get(MARCH_VARIABLE, "").strip()
+    if not march:
+        return FLAGS
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise BuildError(f"{MARCH_VARIABLE}={march!r}: expected a -march name such as x86-64-v3")
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
 
 
 def _cpu_features() -> str:
@@ -91,7 +104,7 @@ def build(path: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".objects-") as folder:
         objects = _compile_objects(compiler, Path(folder), temporary)
         lib = _cpp_extension().library_paths()[0]
-        command = [compiler, *FLAGS, *objects, f"-L{lib}", f"-Wl,-rpath,{lib}"]
+        command = [compiler, *flags(), *objects, f"-L{lib}", f"-Wl,-rpath,{lib}"]
         command += ["-ltorch", "-ltorch_cpu", "-lc10", "-o", str(temporary)]
         _check(compiler, _compile(command, temporary, threading.Event()), temporary)
     os.replace(temporary, path)
@@ -108,10 +121,11 @@ def _cpp_extension() -> ModuleType:
 
 def _compile_objects(compiler: str, folder: Path, temporary: Path) -> list[str]:
     """Every source compiled into ``folder``, ``os.cpu_count()`` compilers at a time."""
-    flags = [flag for flag in FLAGS if flag not in LINK_ONLY]
+    compile_flags = [flag for flag in flags() if flag not in LINK_ONLY]
     includes = [f"-I{p}" for p in _cpp_extension().include_paths()]
+    head = [compiler, *compile_flags, *includes]
     commands = {
-        str(folder / f"{name}.o"): [compiler, *flags, *includes, "-c", str(_HERE / name), "-o"]
+        str(folder / f"{name}.o"): [*head, "-c", str(_HERE / name), "-o"]
         for name in SOURCES
         if name.endswith(".cpp")
     }
@@ -182,8 +196,8 @@ def _stop_compilers() -> None:
 @functools.cache
 def available() -> bool:
     """Load the library (building it if needed); False, logged once, if it cannot be."""
-    path = library_path()
     try:
+        path = library_path()
         if not path.exists():
             started = time.monotonic()
             build(path)

@@ -8,11 +8,11 @@ from prefixcache.engine.kernels import BuildError, build, library_path
 
 
 def main() -> int:
-    path = library_path()
-    if path.exists():
-        print(f"native kernels: {path} (built before)")
-        return 0
     try:
+        path = library_path()
+        if path.exists():
+            print(f"native kernels: {path} (built before)")
+            return 0
         build(path)
     except BuildError as error:
         print(f"native kernels: {error}", file=sys.stderr)
