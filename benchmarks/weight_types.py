@@ -1,7 +1,7 @@
 """GGUF weight types' kernels (engine/weight_types) on Gemma-3-270M-like shapes.
 
 Per type and shape: decode (1 row) and prefill (256 rows) through `PackedWeight.matmul`
-(again with int8 activations where the type has that kernel), beside torch's int4 kernel
+(again with int16 and int8 activations where the type has those kernels), beside torch's int4 kernel
 path (`quant.Int4Linear` on a Q4_0 matrix of the same shape: its
 int4 kernel for 1 row, its dense bf16-rounded path for 256) and a dense fp32 `F.linear`.
 "hot" repeats one matrix (it stays in the 32 MB L3 here); "cold" cycles through copies
@@ -65,16 +65,16 @@ def packed(wtype: WeightType, shape: tuple[int, int], seed: int = 0) -> PackedWe
     return PackedWeight.from_gguf(random_blocks(wtype, *shape, seed), wtype.code, shape)
 
 
-def bench_type(wtype: WeightType, shape: tuple[int, int], int8: bool = False) -> str:
-    """One type's kernels; with `int8`, the decode kernel on int8 activations
-    (`--decode-activations int8`; prefill rows keep fp32 either way)."""
+def bench_type(wtype: WeightType, shape: tuple[int, int], bits: int = 32) -> str:
+    """One type's kernels; with `bits` 16 or 8, the decode kernel on integer activations
+    (`--decode-activations int16|int8`; prefill rows keep fp32 either way)."""
     x1, xp = torch.randn(1, shape[1]), torch.randn(PREFILL_ROWS, shape[1])
     weights = [packed(wtype, shape, seed) for seed in range(copies(packed(wtype, shape).nbytes))]
-    hot = seconds(lambda: weights[0].matmul(x1, int8), 200)
-    cold = cold_seconds([lambda w=w: w.matmul(x1, int8) for w in weights])
-    prefill = seconds(lambda: weights[0].matmul(xp, int8), 10)
+    hot = seconds(lambda: weights[0].matmul(x1, bits), 200)
+    cold = cold_seconds([lambda w=w: w.matmul(x1, bits) for w in weights])
+    prefill = seconds(lambda: weights[0].matmul(xp, bits), 10)
     flops = 2.0 * shape[0] * shape[1] * PREFILL_ROWS
-    label = f"{wtype.name} int8" if int8 else wtype.name
+    label = f"{wtype.name} int{bits}" if bits < 32 else wtype.name
     return row(label, weights[0].nbytes, hot, cold, prefill, flops)
 
 
@@ -167,7 +167,8 @@ def main() -> None:
             if shape[1] % TYPES[name].block_values == 0:
                 print(bench_type(TYPES[name], shape))
                 if torch.ops.prefixcache.gguf_int8(TYPES[name].code):
-                    print(bench_type(TYPES[name], shape, int8=True))
+                    print(bench_type(TYPES[name], shape, bits=16))
+                    print(bench_type(TYPES[name], shape, bits=8))
         print(bench_int4(shape))
         print(bench_dense(shape))
 

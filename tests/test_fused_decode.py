@@ -17,12 +17,14 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
     "Write a haiku about the sea.",
 )
-# Nats. On the GGUF blocks (where the decoders are vectorized) both paths run the same fp32
+# Nats. On the GGUF blocks (where the decoders are vectorized) both paths run the same
 # projections and differ only in the order of the norms' and attention's fp32 sums: measured
-# 7e-6 over 3 prompts x 24 steps, lone and staggered. On torch's int4 kernel every
-# projection is rounded to bf16, so those orders flip a few roundings, which grow over 30
-# layers and the steps: the eager path itself, lone against batched, differs by up to 0.05.
-LOGPROB_TOLERANCE = 1e-3 if kernels.simd_decoders() else 0.15
+# 7e-6 over 3 prompts x 24 steps, lone and staggered, with fp32 activations. With the default
+# int16 activations those differences flip a few roundings of the activations to 15-bit
+# codes, which grow over 30 layers and the steps: measured up to 1.02e-3, so 5e-3. On torch's
+# int4 kernel every projection is rounded to bf16, the same way: the eager path itself, lone
+# against batched, differs by up to 0.05.
+LOGPROB_TOLERANCE = 5e-3 if kernels.simd_decoders() else 0.15
 
 
 def _greedy(tokens: int) -> SamplingParams:

@@ -133,6 +133,23 @@ def test_int8_activations_keep_perplexity_within_one_percent(gemma, expected_log
     assert_pool_clean(engine)
 
 
+def test_int16_activations_keep_logprobs_within_the_fp32_tolerance(
+    gemma, expected_logprobs, text_ids
+):
+    """The default int16 activations, with every prompt row in a step of two (so each meets
+    the int16 kernel, as a decode step does), against transformers: within fp32's tolerance."""
+    config = EngineConfig(num_kv_blocks=160, decode_activations="int16", max_num_batched_tokens=2)
+    engine = LLMEngine(gemma, config)
+    engine.add_request("p", text_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    scored = run_to_completion(engine)["p"].prompt_logprobs[1:]
+    ours = torch.tensor([lp.logprob for lp in scored], dtype=torch.float64)
+    worst = (ours - expected_logprobs).abs().max().item()
+    assert worst < LOGPROB_TOL, f"max logprob deviation {worst:.4f} nats"
+    ppl_ours, ppl_ref = (-ours.mean()).exp().item(), (-expected_logprobs.mean()).exp().item()
+    assert abs(ppl_ours / ppl_ref - 1) < 0.001, (ppl_ours, ppl_ref)
+    assert_pool_clean(engine)
+
+
 def test_greedy_matches_transformers_except_at_near_ties(gemma, reference, engines):
     engine = engines[True]
     prompts = {p: [gemma.config.bos_token_id, *gemma.tokenizer.encode(p)] for p in PROMPTS}

@@ -21,7 +21,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # batches do), where the library's token-only steps repeat exactly.
 DEFAULT_STEP_TARGET_MS = 60.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # what the KV pool may store K/V as
-DECODE_ACTIVATIONS = ("fp32", "int8")  # what a GGUF's decode kernels multiply the weights by
+# What a GGUF's decode kernels multiply the weights by, and its bits (kernels/gguf_int8.h).
+ACTIVATION_BITS = {"fp32": 32, "int16": 16, "int8": 8}
+DECODE_ACTIVATIONS = tuple(ACTIVATION_BITS)
+DEFAULT_DECODE_ACTIVATIONS = "int16"
 DEFAULT_KV_CACHE_DTYPE = "float32"
 KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}  # bytes of one K or V value
 KV_SCALE_BYTES = 4  # an int8 row's fp32 scale, after its codes (engine/kv_quant.py)

@@ -21,6 +21,7 @@ from prefixcache.cache.policies import DEFAULT_POLICY
 from prefixcache.cache.retention import DEFAULT_SHARE, Keep
 from prefixcache.cache.validation import check_fits, check_keeps
 from prefixcache.engine.config import (
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_KV_LAYOUT,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -91,7 +92,9 @@ class EngineConfig:
     kv_layout: str = DEFAULT_KV_LAYOUT  # hybrid: window layers keep their window only; full
     quantized_weights: bool = True  # a GGUF's Q4 layers and Q8_0/Q4 output on int4 kernels
     fused_decode: bool = True  # one sequence's few new tokens in one native call (fused_decode.py)
-    decode_activations: str = "fp32"  # "int8": the GGUF decode kernels' activations as int8 codes
+    # the GGUF decode kernels' activations: int16 codes for one or two rows (kernels/gguf_int8.h),
+    # "fp32" (exact), or "int8" codes as llama.cpp's
+    decode_activations: str = DEFAULT_DECODE_ACTIVATIONS
     seed: int = 0
     zero_on_evict: bool = False  # zero every block's K/V before its slot is reused
     log_cache_keys: str | None = None  # JSONL file: one line per looked-up block/eviction
@@ -246,7 +249,7 @@ class LLMEngine:
         or by a router), a hybrid layout (whose tier values are pages of some layers, and whose
         blocks may lack window pages)."""
         extra = [("weights", weights_kernel(self.model))] if self.int4_weights else []
-        if self.int4_weights and self.config.decode_activations != "fp32":
+        if self.int4_weights and self.config.decode_activations != DEFAULT_DECODE_ACTIVATIONS:
             extra.append(("decode_activations", self.config.decode_activations))
         if self.kv_dtype != self.config.dtype:
             extra.append(("kv_cache_dtype", self.kv_cache_dtype))

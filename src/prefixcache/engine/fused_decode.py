@@ -23,7 +23,7 @@ from prefixcache.engine.attention import AttentionMetadata
 from prefixcache.engine.config import ModelConfig
 from prefixcache.engine.kv_store import KVStore
 from prefixcache.engine.quant import MAX_INT4_ROWS, Int4Linear
-from prefixcache.engine.weight_types.linear import ConcatLinear, PackedLinear, runs_int8
+from prefixcache.engine.weight_types.linear import ConcatLinear, PackedLinear, activation_bits
 from prefixcache.engine.weight_types.packed_weight import row_limits
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def fused_decode(
     torch.ops.prefixcache.decode_layers(
         h, w.norms, w.packed, w.pairs, w.types, w.counts, w.biases, *tables, w.windows, lone.keys,
         lone.values, kv_store.layers, lone.length, rows, first.num_heads, first.num_kv_heads,
-        first.eps, first.scale, w.gelu, *row_limits(), runs_int8(first.qkv),
+        first.eps, first.scale, w.gelu, *row_limits(), activation_bits(first.qkv),
     )  # fmt: skip
     return h
 

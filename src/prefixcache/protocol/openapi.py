@@ -143,7 +143,7 @@ class Health(BaseModel):
     block_size: int
     namespace_digest: str
     kv_cache_dtype: str | None = None  # what its KV pool stores (in the namespace if not fp32)
-    decode_activations: str | None = None  # its decode kernels' (in the namespace if not fp32)
+    decode_activations: str | None = None  # its decode kernels' (in the namespace if not int16)
     tier: str | None
     kv_events: dict[str, Any] | None
     instance: str | None = None  # the replica's instance id, the prefix of its response ids

@@ -16,6 +16,7 @@ from prefixcache.cache.policies import DEFAULT_POLICY, POLICY_NAMES
 from prefixcache.cache.retention import DEFAULT_SHARE
 from prefixcache.engine.config import (
     DECODE_ACTIVATIONS,
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_KV_LAYOUT,
@@ -139,11 +140,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--decode-activations",
-        default="fp32",
+        default=DEFAULT_DECODE_ACTIVATIONS,
         choices=DECODE_ACTIVATIONS,
-        help="what a GGUF's decode kernels multiply the weights by: fp32 (exact) or int8 "
-        "(each 32 activations as int8 codes and a scale, as llama.cpp does: faster where the "
-        "kernels are vectorized, outputs differ from fp32 by that rounding; default %(default)s)",
+        help="what a GGUF's decode kernels multiply the weights by: int16 (each 32 activations "
+        "as 15-bit codes and a scale, within 1/32,512 of their largest, for steps of one or two "
+        "rows; more rows keep fp32), fp32 (exact), or int8 (codes of 8 bits, as llama.cpp "
+        "does: fastest, within 1/254); default %(default)s",
     )
     serve.add_argument(
         "--weight-cache",

@@ -32,7 +32,7 @@ constexpr int64_t kSdpaWork = 512;  // new tokens x context from which SDPA beat
 // x . W^T in fp32 on the GGUF blocks (PackedLinear, the same kernel and row limit).
 at::Tensor project_part(const at::Tensor& x, const Projection& p, const LayerShape& s) {
   if (p.ggml_type >= 0) return gguf::matmul(x.contiguous(), p.packed, p.ggml_type, p.in, s.row_limits,
-                                                   s.int8_activations);
+                                                   s.activation_bits);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), p.packed, kGroupSize,
                                                  p.scales_and_zeros);
   return y.to(at::kFloat);

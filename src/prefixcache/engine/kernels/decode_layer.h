@@ -46,7 +46,7 @@ struct LayerShape {
   float eps, scale;
   gguf::RowLimits row_limits;  // GGUF projections: packed_weight.row_limits(), as eager
   bool gelu;                // the MLP's gate: GeLU (tanh) as Gemma's; else SiLU
-  bool int8_activations;    // GGUF projections: as gguf_matmul's (gguf_int8.h), as eager
+  int64_t activation_bits;  // GGUF projections: as gguf_matmul's (gguf_int8.h), as eager
 };
 
 // Where the new tokens' K/V go: the sequence's contiguous fp32 copy (`keys`, `values`

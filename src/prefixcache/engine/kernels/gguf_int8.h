@@ -1,13 +1,16 @@
-// The int8-activation decode kernel (opt-in, `--decode-activations int8`), as llama.cpp's CPU
-// dot products work: each 32 activations of a row become int8 codes and one fp32 scale, and
-// each 32 weights meet them as their block's integer codes in one integer multiply-add.
+// The integer-activation decode kernels (`--decode-activations int8|int16`), as llama.cpp's
+// CPU dot products work: each 32 activations of a row become integer codes and one fp32
+// scale, and each 32 weights meet them as their block's integer codes in integer
+// multiply-adds. int8: one byte a code, one multiply-add. int16: a code of 15 bits kept as two
+// bytes (code = 128 high + low, high in [-127, 127], low in [0, 127]), two multiply-adds.
 //
-// Numerical contract: x is replaced by x^ (per 32 inputs: dx = amax / 127, code =
-// round-half-even(x * (127 / amax)), x^ = code * dx); then y = W x^ with every weight its exact
-// dequantized value (gguf_blocks.h) and fp32 sums, so y equals `x^ @ dequantize().T` up to
-// fp32 summation order. The cost against fp32 activations is x - x^: at most dx / 2 an input.
-// Compiled wherever AVX2 is (AVX-512 CPUs have it too); the types without a decoder here keep
-// the fp32 kernel.
+// Numerical contract: x is replaced by x^ (per 32 inputs: L = 127 (int8) or 16,256 (int16),
+// dx = amax / L, code = round-half-even(x * (L / amax)), x^ = code * dx); then y = W x^ with
+// every weight its exact dequantized value (gguf_blocks.h) and fp32 sums, so y equals
+// `x^ @ dequantize().T` up to fp32 summation order. The cost against fp32 activations is
+// x - x^: at most dx / 2 an input (amax / 254 for int8, amax / 32,512 for int16). Compiled
+// wherever AVX2 is (AVX-512 CPUs have it too); the types without a decoder here keep the
+// fp32 kernel.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -24,27 +27,41 @@
 namespace prefixcache::gguf::int8 {
 
 // Rows of activations as the kernel reads them: row t's group g (inputs 32g..32g+31) has its
-// codes at q + (t * groups + g) * 32, its scale dx at d[t * groups + g], and dx times the sum
-// of its codes at sum[t * groups + g] (what an affine type's minimum multiplies).
+// codes at q + (t * groups + g) * 32 (int16: their high bytes there, their low bytes at the
+// same place in `low`), its scale dx at d[t * groups + g], and dx times the sum of its codes
+// at sum[t * groups + g] (what an affine type's minimum multiplies).
 struct Activations {
   const int8_t* q;
+  const int8_t* low;  // int16 only
   const float* d;
   const float* sum;
   int64_t groups;
 };
 
-// Row `x` (`in` floats) into codes, scales and sums (the contract above).
-inline void quantize_row(const float* x, int64_t in, int8_t* q, float* d, float* sum) {
-  for (int64_t g = 0; g < in / 32; ++g, x += 32, q += 32) {
+// The largest code of `Bits`-bit activations (int16's high byte stays within [-127, 127]).
+template <int Bits>
+constexpr float kLimit = Bits == 8 ? 127.0f : 16256.0f;
+
+// Row `x` (`in` floats) into codes (int16: high bytes in q, low in `low`), scales and sums (the
+// contract above).
+template <int Bits>
+inline void quantize_row(const float* x, int64_t in, int8_t* q, int8_t* low, float* d, float* sum) {
+  for (int64_t g = 0; g < in / 32; ++g, x += 32, q += 32, low += Bits == 16 ? 32 : 0) {
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float inverse = amax > 0.0f ? kLimit<Bits> / amax : 0.0f;
     int total = 0;
     for (int i = 0; i < 32; ++i) {
-      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
-      total += q[i];
+      const int code = static_cast<int>(std::nearbyint(x[i] * inverse));
+      if constexpr (Bits == 8) {
+        q[i] = static_cast<int8_t>(code);
+      } else {
+        q[i] = static_cast<int8_t>(code >> 7);  // floor(code / 128)
+        low[i] = static_cast<int8_t>(code & 127);
+      }
+      total += code;
     }
-    d[g] = amax / 127.0f;
+    d[g] = amax / kLimit<Bits>;
     sum[g] = d[g] * static_cast<float>(total);
   }
 }
@@ -173,19 +190,27 @@ struct Q6_K {
   }
 };
 
-// The 8 int32 sums of 4 products each of codes `w` (unsigned, or with `Signed` signed) and
-// activation codes `x`: lane i covers values 4i..4i+3.
+// The 16 int16 sums of 2 products each of weight codes `w` (unsigned, or with `Signed` signed)
+// and activation bytes `x`: never saturated, as |w| <= 128 and |x| <= 127.
 template <bool Signed>
-inline __m256 products(__m256i w, __m256i w_abs, __m256i x) {
-  const __m256i pairs = Signed ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w))
-                               : _mm256_maddubs_epi16(w, x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+inline __m256i pairs(__m256i w, __m256i w_abs, __m256i x) {
+  return Signed ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
+}
+
+// The 8 sums of 4 products each of weight codes and activation codes (int16: 128 times the
+// high bytes' plus the low bytes'): lane i covers values 4i..4i+3.
+template <bool Signed, int Bits>
+inline __m256 products(__m256i w, __m256i w_abs, __m256i x, __m256i x_low) {
+  const __m256i high = _mm256_madd_epi16(pairs<Signed>(w, w_abs, x), _mm256_set1_epi16(Bits == 8 ? 1 : 128));
+  if constexpr (Bits == 8) return _mm256_cvtepi32_ps(high);
+  const __m256i low = _mm256_madd_epi16(pairs<Signed>(w, w_abs, x_low), _mm256_set1_epi16(1));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(high, low));
 }
 
 // y[t, r] = W[r] . x^[t] for `Rows` activation rows and output rows [first, last): each group
 // decoded once, then per row one integer dot and one FMA into the row's one sum (two sums a
 // row, picked by a runtime index, kept them out of registers: 1.2x over fp32, not 1.56x).
-template <class D, int Rows>
+template <class D, int Rows, int Bits>
 void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const Activations& x,
               int64_t first, int64_t last, float* y, int64_t out) {
   constexpr bool kSplit = std::is_same_v<D, Q6_K>;  // two scales a group
@@ -205,7 +230,8 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const Activations
         for (int t = 0; t < Rows; ++t) {
           const int64_t at = t * x.groups + g;
           const __m256i codes = load32(reinterpret_cast<const uint8_t*>(x.q + at * 32));
-          const __m256 dot = products<D::kSigned>(c.q, w_abs, codes);
+          const __m256i low = Bits == 8 ? codes : load32(reinterpret_cast<const uint8_t*>(x.low + at * 32));
+          const __m256 dot = products<D::kSigned, Bits>(c.q, w_abs, codes, low);
           const __m256 scale = kSplit ? _mm256_set_m128(_mm_set1_ps(c.a_high * x.d[at]), _mm_set1_ps(c.a_low * x.d[at]))
                                       : _mm256_set1_ps(c.a_low * x.d[at]);
           acc[t] = _mm256_fmadd_ps(scale, dot, acc[t]);

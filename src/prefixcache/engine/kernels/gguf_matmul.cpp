@@ -60,6 +60,11 @@ void run_bf16(const uint8_t* src, int64_t n, float* dst) {
 }
 
 constexpr int64_t kMaxRows = 8;  // activation rows the decode kernel takes per pass
+// Rows up to which int16 activations take the integer kernel: past two, the fp32 decode kernel
+// is faster (its extra row costs 4 FMAs a part, the int16 kernel's ~12 ops). Through a
+// SmolLM2-shaped stack, ms fp32 / int16: AVX2 1 row 6.3 / 4.2, 2 rows 6.9 / 6.2, 4 rows 8.1 /
+// 9.4; AVX-512 5.9 / 4.5, 6.0 / 6.3, 7.3 / 10.5 (a 2-core KVM Xeon; docs/benchmarks.md).
+constexpr int64_t kInt16Rows = 2;
 
 // One type's decode kernel for `rows` activation rows (entry rows - 1 of its table), laid out
 // by simd::interleave: y[t, r] for t < rows, r in [first, last).
@@ -70,20 +75,20 @@ using DotRows = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in, const 
 using Interleave = void (*)(const float* x, int64_t stride, int64_t rows, int64_t in, float* packed);
 
 #ifdef PREFIXCACHE_GGUF_INT8
-// One type's int8-activation decode kernel (gguf_int8.h) for `rows` rows (entry rows - 1).
+// One type's integer-activation decode kernel (gguf_int8.h) for `rows` rows (entry rows - 1).
 using DotRowsInt8 = void (*)(const uint8_t* w, int64_t row_bytes, int64_t in,
                              const int8::Activations& x, int64_t first, int64_t last, float* y,
                              int64_t out);
-template <class D, size_t... R>
-constexpr std::array<DotRowsInt8, kMaxRows> int8_dots_for(std::index_sequence<R...>) {
-  return {int8::dot_rows<D, static_cast<int>(R) + 1>...};
+template <class D, int Bits, size_t... R>
+constexpr std::array<DotRowsInt8, sizeof...(R)> int8_dots_for(std::index_sequence<R...>) {
+  return {int8::dot_rows<D, static_cast<int>(R) + 1, Bits>...};
 }
-template <class D>
-constexpr std::array<DotRowsInt8, kMaxRows> kInt8Dots = int8_dots_for<D>(std::make_index_sequence<kMaxRows>{});
-#define INT8(T) kInt8Dots<int8::T>.data()
+template <class D, int Bits, int64_t Rows>
+constexpr std::array<DotRowsInt8, Rows> kInt8Dots = int8_dots_for<D, Bits>(std::make_index_sequence<Rows>{});
+#define INT8(T) kInt8Dots<int8::T, 8, kMaxRows>.data(), kInt8Dots<int8::T, 16, kInt16Rows>.data()
 #else
 using DotRowsInt8 = void*;
-#define INT8(T) nullptr
+#define INT8(T) nullptr, nullptr
 #endif
 
 // A type's kernels: the portable decoder (gguf_blocks.h) and, where compiled, SIMD ones.
@@ -93,7 +98,8 @@ struct Kernels {
   const DotRows* dots;      // kMaxRows entries, or nullptr: decode into a buffer, then dot
   Interleave interleave;    // with dots: the rows as they read them
   bool copies_one_row;      // with dots: one row is laid out too (else read as it is)
-  const DotRowsInt8* int8_dots = nullptr;  // kMaxRows entries, or nullptr: none for the type
+  const DotRowsInt8* int8_dots = nullptr;   // kMaxRows entries, or nullptr: none for the type
+  const DotRowsInt8* int16_dots = nullptr;  // kInt16Rows entries, with int16 activations
 };
 
 #define NO_FAST nullptr, nullptr, nullptr, false  // the portable decoder alone
@@ -204,20 +210,25 @@ void dot_rows(const Matrix& w, const float* x, int64_t x_stride, int64_t rows, i
 }
 
 #ifdef PREFIXCACHE_GGUF_INT8
-// decode_matmul with int8 activations (gguf_int8.h's contract): each row quantized once.
+// decode_matmul with integer activations (gguf_int8.h's contract): each row quantized once.
+template <int Bits>
 void int8_decode_matmul(const Matrix& w, const at::Tensor& x, float* y) {
   const int64_t tokens = x.size(0), groups = w.in / 32, grain = std::max<int64_t>(1, 16384 / w.in);
-  std::vector<int8_t> codes(tokens * w.in);
+  std::vector<int8_t> codes(tokens * w.in), low(Bits == 16 ? tokens * w.in : 0);
   std::vector<float> scales(tokens * groups), sums(tokens * groups);
   const float* xs = x.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
-    int8::quantize_row(xs + t * w.in, w.in, &codes[t * w.in], &scales[t * groups], &sums[t * groups]);
+    int8_t* low_row = Bits == 16 ? &low[t * w.in] : nullptr;
+    int8::quantize_row<Bits>(xs + t * w.in, w.in, &codes[t * w.in], low_row, &scales[t * groups],
+                             &sums[t * groups]);
   }
+  const DotRowsInt8* dots = Bits == 8 ? w.k->int8_dots : w.k->int16_dots;
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, tokens - t0);
-    const int8::Activations a{&codes[t0 * w.in], &scales[t0 * groups], &sums[t0 * groups], groups};
+    const int8_t* low_rows = Bits == 16 ? &low[t0 * w.in] : nullptr;
+    const int8::Activations a{&codes[t0 * w.in], low_rows, &scales[t0 * groups], &sums[t0 * groups], groups};
     at::parallel_for(0, w.rows, grain, [&](int64_t first, int64_t last) {
-      w.k->int8_dots[rows - 1](w.data, w.row_bytes, w.in, a, first, last, y + t0 * w.rows, w.rows);
+      dots[rows - 1](w.data, w.row_bytes, w.in, a, first, last, y + t0 * w.rows, w.rows);
     });
   }
 }
@@ -358,15 +369,19 @@ bool has_int8_kernel(int64_t type) {
 }
 
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                  RowLimits limits, bool int8_activations) {
+                  RowLimits limits, int64_t activation_bits) {
   Matrix w = matrix(blocks, type, in);
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == in && x.is_contiguous(),
               "x must be contiguous fp32 [tokens, ", in, "]");
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   if (y.numel() == 0) return y;
-  if (x.size(0) <= limits.decode && int8_activations && w.k->int8_dots) {
+  TORCH_CHECK(activation_bits == 32 || activation_bits == 16 || activation_bits == 8,
+              "activation_bits must be 32, 16 or 8, not ", activation_bits);
+  const int64_t integer_rows = activation_bits == 8 ? limits.decode : std::min(limits.decode, kInt16Rows);
+  if (x.size(0) <= integer_rows && activation_bits < 32 && w.k->int8_dots) {
 #ifdef PREFIXCACHE_GGUF_INT8
-    int8_decode_matmul(w, x, y.data_ptr<float>());
+    if (activation_bits == 8) int8_decode_matmul<8>(w, x, y.data_ptr<float>());
+    else int8_decode_matmul<16>(w, x, y.data_ptr<float>());
 #endif
   } else if (x.size(0) <= limits.decode) {
     decode_matmul(w, x, y.data_ptr<float>());

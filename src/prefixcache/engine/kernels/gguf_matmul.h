@@ -19,12 +19,13 @@ struct RowLimits {
 };
 
 // x [tokens, in] (contiguous fp32) times the packed matrix: torch.ops.prefixcache.gguf_matmul.
-// With `int8_activations`, rows the decode kernel takes meet a type's int8 kernel where it has
-// one (gguf_int8.h's contract); every other product keeps fp32 activations.
+// With `activation_bits` 8, rows the decode kernel takes meet a type's integer kernel where it
+// has one (gguf_int8.h's contract); with 16, one or two rows do (past two the fp32 kernel is
+// faster); every other product (and 32) keeps fp32 activations.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                  RowLimits limits, bool int8_activations);
+                  RowLimits limits, int64_t activation_bits);
 
-// Whether `type` has an int8-activation kernel in this build: torch.ops.prefixcache.gguf_int8.
+// Whether `type` has the integer-activation kernels in this build: torch.ops.prefixcache.gguf_int8.
 bool has_int8_kernel(int64_t type);
 
 // The matrix in fp32 [out, in] (torch.ops.prefixcache.gguf_dequantize): the SIMD decoders,

@@ -104,8 +104,8 @@ KVTarget kv_target(const at::Tensor& keys, const at::Tensor& values, const at::T
 }
 
 at::Tensor gguf_matmul_op(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t in,
-                          int64_t max_decode_rows, int64_t max_panel_rows, bool int8_activations) {
-  return gguf::matmul(x, blocks, type, in, {max_decode_rows, max_panel_rows}, int8_activations);
+                          int64_t max_decode_rows, int64_t max_panel_rows, int64_t activation_bits) {
+  return gguf::matmul(x, blocks, type, in, {max_decode_rows, max_panel_rows}, activation_bits);
 }
 
 void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed,
@@ -116,7 +116,7 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
                       at::TensorList caches, int64_t length,
                       at::TensorList rows, int64_t heads, int64_t kv_heads, double eps,
                       double scale, bool gelu, int64_t max_decode_rows, int64_t max_panel_rows,
-                      bool int8_activations) {
+                      int64_t activation_bits) {
   const size_t layers = caches.size();
   TORCH_CHECK(layers > 0 && norms.size() % layers == 0 && counts.size() == 4 * layers &&
                   pairs.size() == packed.size() && types.size() == packed.size() &&
@@ -136,7 +136,7 @@ void decode_layers_op(at::Tensor& h, at::TensorList norms, at::TensorList packed
     gate_up += packed[p].size(0);
   }
   LayerShape s{hidden, heads, kv_heads, dim, gate_up / 2, static_cast<float>(eps),
-               static_cast<float>(scale), {max_decode_rows, max_panel_rows}, gelu, int8_activations};
+               static_cast<float>(scale), {max_decode_rows, max_panel_rows}, gelu, activation_bits};
   floats(h, tokens * hidden, "h");
   const float* rope[4] = {floats(cos, tokens * dim, "cos"), floats(sin, tokens * dim, "sin"),
                           floats(local_cos, tokens * dim, "local_cos"),
@@ -241,7 +241,7 @@ TORCH_LIBRARY(prefixcache, m) {
   m.def("gguf_dequantize(Tensor blocks, int ggml_type, int in_features, bool portable=False) -> Tensor");
   m.def(
       "gguf_matmul(Tensor x, Tensor blocks, int ggml_type, int in_features, "
-      "int max_decode_rows, int max_panel_rows, bool int8_activations=False) -> Tensor");
+      "int max_decode_rows, int max_panel_rows, int activation_bits=32) -> Tensor");
   m.def("gguf_int8(int ggml_type) -> bool", &gguf::has_int8_kernel);
   m.def("gather_kv(Tensor cache, int which, Tensor block_ids) -> Tensor");
   m.def("write_kv_(Tensor(a!) cache, Tensor rows, Tensor(b!) k, Tensor(c!) v) -> ()");
@@ -254,7 +254,7 @@ TORCH_LIBRARY(prefixcache, m) {
       "Tensor local_cos, Tensor local_sin, int[] windows, Tensor(b!)[] keys, Tensor(c!)[] values, "
       "Tensor(d!)[] caches, int length, Tensor[] rows, int heads, int kv_heads, float eps, "
       "float scale, bool gelu, int max_decode_rows, int max_panel_rows, "
-      "bool int8_activations=False) -> ()");
+      "int activation_bits=32) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {

@@ -12,23 +12,23 @@ from itertools import groupby
 
 import torch
 
-from prefixcache.engine.config import DECODE_ACTIVATIONS
+from prefixcache.engine.config import ACTIVATION_BITS, DECODE_ACTIVATIONS
 from prefixcache.engine.weight_types.packed_weight import PackedWeight
 
 
 class PackedLinear:
     """`y = x W^T` on one packed matrix (fp32 in and out: `PackedWeight.matmul`'s contract,
-    with int8 activations in the decode kernel once `int8_activations` is set)."""
+    with integer activations in the decode kernel once `activation_bits` is 16 or 8)."""
 
-    __slots__ = ("weight", "out_features", "int8_activations")
+    __slots__ = ("weight", "out_features", "activation_bits")
 
     def __init__(self, weight: PackedWeight) -> None:
         self.weight = weight
         self.out_features = weight.shape[0]
-        self.int8_activations = False
+        self.activation_bits = 32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight.matmul(x.float().contiguous(), int8_activations=self.int8_activations)
+        y = self.weight.matmul(x.float().contiguous(), activation_bits=self.activation_bits)
         return y.to(x.dtype)
 
     @property
@@ -67,7 +67,7 @@ def packed_parts(linear: object) -> tuple[object, ...]:
 
 def set_decode_activations(modules: Iterable[object], activations: str) -> None:
     """Every packed projection among `modules`' attributes (a model and its layers) runs its
-    decode kernel on `activations` ("fp32": exact; "int8": `kernels/gguf_int8.h`)."""
+    decode kernel on `activations` ("fp32": exact; "int16", "int8": `kernels/gguf_int8.h`)."""
     if activations not in DECODE_ACTIVATIONS:
         raise ValueError(
             f"decode_activations {activations!r} is not one of {', '.join(DECODE_ACTIVATIONS)}"
@@ -76,9 +76,11 @@ def set_decode_activations(modules: Iterable[object], activations: str) -> None:
         for value in vars(module).values():
             for part in packed_parts(value):
                 if isinstance(part, PackedLinear):
-                    part.int8_activations = activations == "int8"
+                    part.activation_bits = ACTIVATION_BITS[activations]
 
 
-def runs_int8(linear: object) -> bool:
-    """Whether a projection's decode kernel takes int8 activations (`set_decode_activations`)."""
-    return any(isinstance(p, PackedLinear) and p.int8_activations for p in packed_parts(linear))
+def activation_bits(linear: object) -> int:
+    """The bits of a projection's decode-kernel activations (`set_decode_activations`): 32
+    for fp32 (and for a projection with no packed part)."""
+    return min((p.activation_bits for p in packed_parts(linear) if isinstance(p, PackedLinear)),
+               default=32)  # fmt: skip

@@ -123,10 +123,10 @@ class PackedWeight:
         name = "|".join(p.name for p in parts)
         return PackedWeight(blocks, first.wtype, (blocks.shape[0], first.shape[1]), name)
 
-    def matmul(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, activation_bits: int = 32) -> torch.Tensor:
         """`x @ W^T` for fp32 `x` `[T, in]` -> fp32 `[T, out]` (the module docstring's contract;
-        with `int8_activations`, rows the decode kernel takes meet the weights as int8 codes,
-        `kernels/gguf_int8.h`'s contract, where the type has that kernel)."""
+        with `activation_bits` 16 or 8, rows the decode kernel takes meet the weights as integer
+        codes, `kernels/gguf_int8.h`'s contract, where the type has that kernel)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(
                 f"{self.name}: matmul takes fp32 [tokens, {self.shape[1]}], "
@@ -137,7 +137,7 @@ class PackedWeight:
         if kernels.available():
             return torch.ops.prefixcache.gguf_matmul(
                 x.contiguous(), self.blocks, self.wtype.code, self.shape[1], *row_limits(),
-                int8_activations,
+                activation_bits,
             )  # fmt: skip
         return F.linear(x, self.dequantize())
 
