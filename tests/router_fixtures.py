@@ -114,6 +114,11 @@ class ReplicaProcess:
                 time.sleep(0.1)
         raise RuntimeError(f"replica did not start: {self.log_tail()}")
 
+    def pause(self) -> None:
+        """SIGSTOP: frozen where it is; what it had sent still reaches its peers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
     def kill(self) -> None:
         """SIGKILL: no shutdown, no goodbye on the sockets."""
         if self.process is not None and self.process.poll() is None:
