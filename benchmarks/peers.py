@@ -13,9 +13,9 @@ and the same token ids as prompts (`/v1/completions` takes a list of ids), EOS i
     one at a time (total, and TTFT p50 of the 15 requests whose document is cached:
     llama-server reuses the longest prefix of its slot's previous prompt) and 16 at once;
   - ours, 16 at once with prefix caching off, for what the cache buys.
-Ours runs twice: as `make serve` runs it (fp32 activations, exact), and with
-`--decode-activations int8` (activations rounded to int8 per 32 in the decode kernels, as
-llama.cpp's CPU kernels do).
+Ours runs three times: as `make serve` runs it (int16 activations in steps of one or two
+rows), with `--decode-activations fp32` (exact), and with `--decode-activations int8`
+(activations rounded to int8 per 32 in the decode kernels, as llama.cpp's CPU kernels do).
 The peers: `llama-server` built from llama.cpp's source (benchmarks/llama_server.py; `-np 16`
 slots of 2,304 tokens each, `-c 36864`, so the 2,000-token prompt fits one; at its defaults,
 weight repacking on) and, where `make bench-peers` built `.venv-peers`, llama-cpp-python's
@@ -326,10 +326,11 @@ def compare(model: Path, threads: int, peer_python: Path, isa: str = "native") -
 
     tokenizer = load_tokenizer(model)
     prompts = model_prompts(tokenizer)
-    int8 = ("--decode-activations", "int8")
+    fp32, int8 = ("--decode-activations", "fp32"), ("--decode-activations", "int8")
     binary = ensure_built(isa)
     servers = {
         "prefixcache": Peer(our_server(model, threads, isa=isa)),
+        "prefixcache fp32": Peer(our_server(model, threads, extra=fp32, isa=isa)),
         "prefixcache int8": Peer(our_server(model, threads, extra=int8, isa=isa)),
         "llama-server": Peer(llama_server(binary, model, threads)),
     }
