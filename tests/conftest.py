@@ -118,23 +118,16 @@ SLOW_FILES = (
 
 # Files that share one worker: the real Gemma 3 file's gguf-py parse (~8 s), our tokenizer of
 # it (~4 s) and transformers' are cached per process (gemma_fixtures.py, hf_fixtures.py).
-# And the signal tests with the Ray ones: a process must be gone within 10 s of its signal,
-# and beside a Ray cluster starting up on the other worker it was not (three stop cells
-# "hang" and Ray's teardown timed out, in 2 of 4 fresh-clone runs once the Gemma files had
-# become quicker and freed their worker first).
-GROUPS = {
-    **dict.fromkeys(
-        (
-            "test_gemma3.py",
-            "test_gguf_tokenizers.py",
-            "test_weight_types.py",
-            "test_chat_templates.py",
-            "test_sim_windows.py",
-        ),
-        "gemma-file",
+GROUPS = dict.fromkeys(
+    (
+        "test_gemma3.py",
+        "test_gguf_tokenizers.py",
+        "test_weight_types.py",
+        "test_chat_templates.py",
+        "test_sim_windows.py",
     ),
-    **dict.fromkeys(("test_ray_serve.py", "test_stop_signals.py", "test_ray_stop.py"), "signals"),
-}
+    "gemma-file",
+)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
