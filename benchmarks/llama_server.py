@@ -18,6 +18,7 @@ Two builds, each in a folder named for what it holds:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -110,6 +111,7 @@ def cpu_flags() -> set[str]:
     return set(next((ln.split(":", 1)[1] for ln in lines if ln.startswith("flags")), "").split())
 
 
+@functools.cache
 def amx_runs() -> bool:
     """Whether AMX tile instructions run here: a probe compiled and run in its own process."""
     with tempfile.TemporaryDirectory() as folder:
