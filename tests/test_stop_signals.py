@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -435,6 +436,23 @@ def simulate_cell(work: Path, trace: Path, sig: int, group: bool) -> Outcome:
 def test_simulate_stops_mid_replay_on_every_signal(tmp_path) -> None:
     trace = long_trace(tmp_path / "trace.jsonl")
     assert_clean(run_cells(CELLS, lambda sig, group: simulate_cell(tmp_path, trace, sig, group)))
+
+
+IGNORING_SIGINT = ["bash", "-c", 'trap "" INT; exec "$@"', "ignoring-sigint"]
+
+
+def test_a_command_started_with_sigint_ignored_still_stops_on_it(tmp_path) -> None:
+    """A script's background job (``prefixcache simulate … &``) inherits SIGINT ignored; its
+    ``kill -INT`` stops it all the same, as a terminal's Ctrl-C does."""
+    probe = [sys.executable, "-c", "import signal as s; print(s.getsignal(s.SIGINT) == s.SIG_IGN)"]
+    started = subprocess.run(IGNORING_SIGINT + probe, capture_output=True, text=True, timeout=30)
+    assert started.stdout.strip() == "True", started  # what the command inherits
+    trace = long_trace(tmp_path / "trace.jsonl")
+    log = tmp_path / "simulate.log"
+    process = launch(IGNORING_SIGINT + prefixcache("simulate", str(trace)), log)
+    wait_until(lambda: has_open(process.pid, trace), 60, "the trace being read")
+    wait_until(lambda: not has_open(process.pid, trace), 60, "the trace read")
+    assert_clean([stop(process, log, signal.SIGINT, False, 10.0)])
 
 
 def test_a_second_ctrl_c_cuts_the_graceful_part_short_with_status_130(tmp_path, model) -> None:

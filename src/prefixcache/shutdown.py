@@ -45,11 +45,13 @@ _PROCESS_STOP = StopRequest()  # the command's own (installed by ``sigterm_as_ct
 def sigterm_as_ctrl_c() -> None:
     """From now on SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so
     both end a command the same way: its cleanup runs and it exits 0 (not killed, -15). Both
-    are recorded too, for ``raise_if_stop_requested`` (a Ctrl-C the shell ignores stays so)."""
+    are recorded too, for ``raise_if_stop_requested``. A SIGINT ignored when we started (a
+    script's background job inherits it so) is honoured too, as uvicorn and ``cluster`` do:
+    ``kill -INT`` stops a server whichever shell started it. A handler of the caller's stays."""
     if threading.current_thread() is not threading.main_thread():  # the main thread's alone
         return
     signal.signal(signal.SIGTERM, _PROCESS_STOP.handler)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, signal.SIG_IGN):
         signal.signal(signal.SIGINT, _PROCESS_STOP.handler)
 
 
