@@ -174,7 +174,9 @@ at::Tensor attend_sdpa(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv
 }
 
 // Each new token's softmax attention over the keys it may see, per query head:
-// out [T, heads * dim]. Work is split by (token, KV head) when there is enough of it.
+// out [T, heads * dim]. Work is split by (token, KV head, half of its query heads) when there
+// is enough of it: by KV head alone, a lone decode of Gemma 3 (one KV head) ran on one core
+// while the other waited, and SmolLM2's three KV heads split 2:1.
 at::Tensor attend(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv,
                   const LayerShape& s, int64_t window) {
   const int64_t seen = window > 0 ? std::min(window, kv.length) : kv.length;
@@ -186,17 +188,20 @@ at::Tensor attend(const at::Tensor& qkv, int64_t tokens, const KVTarget& kv,
   const float* values = kv.values.data_ptr<float>();
   at::Tensor out = at::empty({tokens, width}, qkv.options());
   float* o = out.data_ptr<float>();
-  int64_t items = tokens * s.kv_heads;
-  int64_t grain = tokens * kv.length < 256 ? items : 1;  // little work: not worth a thread
+  const int64_t halves = group > 1 ? 2 : 1, half = (group + 1) / 2;  // query heads an item
+  int64_t items = tokens * s.kv_heads * halves;
+  int64_t grain = tokens * seen * group < 256 ? items : 1;  // little work: not worth a thread
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(group * kv.length);
+    std::vector<float> scores(half * kv.length);
     for (int64_t item = first; item < last; ++item) {
-      int64_t t = item / s.kv_heads, h = item % s.kv_heads;
+      int64_t t = item / (s.kv_heads * halves), h = item / halves % s.kv_heads;
+      int64_t g0 = item % halves * half, count = std::min(half, group - g0);
       int64_t visible = kv.length - tokens + t + 1;
       int64_t start = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
-      attend_group(q + t * row + h * group * s.head_dim, keys + h * stride + start * s.head_dim,
-                   values + h * stride + start * s.head_dim, visible - start, group, s,
-                   scores.data(), o + t * width + h * group * s.head_dim);
+      int64_t head = h * group + g0;
+      attend_group(q + t * row + head * s.head_dim, keys + h * stride + start * s.head_dim,
+                   values + h * stride + start * s.head_dim, visible - start, count, s,
+                   scores.data(), o + t * width + head * s.head_dim);
     }
   });
   return out;
