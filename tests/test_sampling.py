@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from prefixcache.engine.sampling import SamplingParams, make_generator, sample
+from prefixcache.engine.sampling import SamplingParams, greedy, make_generator, sample
 
 
 def logits_rows(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -16,6 +18,19 @@ def test_greedy_is_argmax():
     logits = logits_rows()
     params = [SamplingParams(temperature=0)] * 3
     assert sample(logits, params, [make_generator(0)] * 3) == logits.argmax(-1).tolist()
+
+
+# Few distinct values, so ties are common; infinities and NaN (torch's argmax takes a NaN).
+LOGIT_VALUES = st.sampled_from([-1.5, 0.0, 0.25, 2.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda rows: st.lists(
+    st.lists(LOGIT_VALUES, min_size=5, max_size=5), min_size=rows, max_size=rows)))  # fmt: skip
+def test_greedy_picks_what_torch_argmax_picks_ties_and_nan_included(rows):
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert greedy(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy(logits.to(torch.bfloat16)) == logits.to(torch.bfloat16).argmax(-1).tolist()
 
 
 def test_same_seed_same_draws_other_seed_other_draws():

@@ -51,7 +51,7 @@ def sample(
                 logits[row] = process_logits(logits[row], param, history)
     for row, allowed in (masks or {}).items():
         logits[row] = apply_mask(logits[row], allowed)
-    greedy_ids = logits.argmax(dim=-1).tolist()
+    greedy_ids = greedy(logits)
     tokens = []
     for row, (param, generator) in enumerate(zip(params, generators, strict=True)):
         if param.greedy:
@@ -59,6 +59,14 @@ def sample(
         else:
             tokens.append(_sample_row(logits[row], param, generator))
     return tokens
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, the first on a tie, as torch's: numpy's vectorized argmax takes
+    3 us for SmolLM2's 49,152 logits where torch's takes 64 (on every step of a decode)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return logits.argmax(dim=-1).tolist()
+    return logits.detach().numpy().argmax(axis=-1).tolist()
 
 
 def process_logits(row: torch.Tensor, param: SamplingParams, history: History) -> torch.Tensor:
