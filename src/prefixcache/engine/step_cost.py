@@ -55,6 +55,7 @@ class StepCost:
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _theta: np.ndarray = field(init=False)
+    _stale: bool = False  # steps observed since the last solve (solved when next used)
 
     def __post_init__(self) -> None:
         self._theta = np.array(self.prior) * _SCALE
@@ -62,11 +63,11 @@ class StepCost:
     @property
     def coefficients(self) -> tuple[float, ...]:
         """(a, b, c, d) in seconds per unit of each term."""
-        return tuple(float(x) for x in self._theta / _SCALE)
+        return tuple(float(x) for x in self._fitted() / _SCALE)
 
     def predict(self, shape: StepShape) -> float:
         """Seconds the step is expected to take."""
-        return float(shape.features() @ self._theta)
+        return float(shape.features() @ self._fitted())
 
     def tokens_fitting(self, shape: StepShape, start: int, limit: int, target: float) -> int:
         """How many of ``limit`` more prefill tokens, after ``start`` computed ones, keep a
@@ -90,10 +91,18 @@ class StepCost:
         self._gram = self.decay * self._gram + np.outer(x, x)
         self._moment = self.decay * self._moment + x * seconds
         self.num_observed += 1
-        ridge = self.prior_weight * np.eye(4)
-        prior = np.array(self.prior) * _SCALE
-        solved = np.linalg.solve(self._gram + ridge, self._moment + ridge @ prior)
-        self._theta = np.maximum(solved, 0.0)
+        self._stale = True
+
+    def _fitted(self) -> np.ndarray:
+        """The scaled coefficients, solved again only when a step was observed since: a
+        lone decode observes every step and predicts none (the solve took ~100 us a step)."""
+        if self._stale:
+            ridge = self.prior_weight * np.eye(4)
+            prior = np.array(self.prior) * _SCALE
+            solved = np.linalg.solve(self._gram + ridge, self._moment + ridge @ prior)
+            self._theta = np.maximum(solved, 0.0)
+            self._stale = False
+        return self._theta
 
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 1.0, 2.5, 5.0)
