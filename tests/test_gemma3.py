@@ -279,7 +279,6 @@ def _steps(gemma: LoadedModel, layout: str, fused: bool, prompts: list[list[int]
     """Each prompt after the last (the cache kept): every step's (token, logprob, runner-up)."""
     config = EngineConfig(num_kv_blocks=160, kv_layout=layout, fused_decode=fused)
     engine = LLMEngine(gemma, config)
-    engine.model.fused_weights = None  # the model is shared: built again by a fused forward
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     results = []
     for i, prompt in enumerate(prompts):

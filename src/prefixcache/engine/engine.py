@@ -123,6 +123,7 @@ class LLMEngine:
         self.model_config = model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model, self.int4_weights = self._model(loaded, config)
+        self.model.fused_weights = None  # its fused lists: built again on first use
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.kv_dtype = kv_dtype(config.kv_cache_dtype) if config.kv_cache_dtype else config.dtype
         self.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")  # its name
@@ -515,7 +516,8 @@ class LLMEngine:
         if not branches:
             return Sampled([], [], [], scored)
         assert logits is not None
-        logits = logits[torch.tensor(rows)]
+        if rows != list(range(len(logits))):  # a row per branch (n > 1), or fewer
+            logits = logits[torch.tensor(rows)]
         params = [b.request.params for b in branches]
         histories = [self._history(b) for b in branches]
         masks = (
