@@ -149,9 +149,11 @@ class PackedWeight:
         if index.dtype.is_floating_point or index.dtype == torch.bool:
             raise ValueError(f"{self.name}: {what}s must be integers, got {index.dtype}")
         index = index.long()
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.shape[0]):
-            bad = int(index.min()) if int(index.min()) < 0 else int(index.max())
-            raise ValueError(f"{self.name}: {what} {bad} is outside 0..{self.shape[0] - 1}")
+        if index.numel():  # one reduction for both ends (an embedding lookup every step)
+            low, high = (int(end) for end in torch.aminmax(index))
+            if low < 0 or high >= self.shape[0]:
+                bad = low if low < 0 else high
+                raise ValueError(f"{self.name}: {what} {bad} is outside 0..{self.shape[0] - 1}")
         return index
 
 
