@@ -60,9 +60,9 @@ def test_closing_a_stream_early_aborts_the_request():
     assert_pool_clean(engine.engine)
 
 
-def _first_step_batch(delay: float, length: int) -> int:
+def _first_step_batch(delay: float, length: int, cached: bool = False) -> int:
     """How many requests the first step ran when a second one arrives `delay` s after the
-    first, both with `length`-token prompts."""
+    first, both with `length`-token prompts (the first one's cached before, if `cached`)."""
     batches: list[int] = []
 
     async def main():
@@ -70,13 +70,17 @@ def _first_step_batch(delay: float, length: int) -> int:
         step = engine.engine.step
 
         def recording_step():
-            if not batches:
+            if not batches and recording:
                 batches.append(len(engine.engine.requests))
             return step()
 
+        recording = not cached
         engine.engine.step = recording_step
         engine.start()
         try:
+            if cached:  # the same prompt but its last token: all but a block's worth is cached
+                await collect(engine, "warm", list(range(100, 100 + length - 1)) + [9], 1)
+                recording = True
 
             async def later():
                 await asyncio.sleep(delay)
@@ -96,3 +100,10 @@ def test_a_long_prompt_waits_a_moment_for_companions_and_a_short_one_does_not(mo
     monkeypatch.setattr(async_engine, "COALESCE_LIMIT_SECONDS", 1.0)
     assert _first_step_batch(0.02, COALESCE_PROMPT_TOKENS) == 2  # one step for the burst
     assert _first_step_batch(0.3, 8) == 1  # a short prompt starts at once
+
+
+def test_a_long_prompt_whose_prefix_is_cached_starts_at_once(monkeypatch):
+    """Little is left to share: it does not wait for companions (5 ms of a cached TTFT)."""
+    monkeypatch.setattr(async_engine, "COALESCE_SECONDS", 0.5)
+    monkeypatch.setattr(async_engine, "COALESCE_LIMIT_SECONDS", 1.0)
+    assert _first_step_batch(0.3, COALESCE_PROMPT_TOKENS + 40, cached=True) == 1

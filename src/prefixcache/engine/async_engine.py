@@ -19,9 +19,10 @@ from prefixcache.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("prefixcache.engine")
 IDLE_REFRESH_SECONDS = 1.0  # with a tier, an idle engine republishes this often
-# An idle engine handed a long prompt waits this long for requests that arrive with it
-# (each arrival restarts the wait, up to COALESCE_LIMIT_SECONDS), so that a burst sharing a
-# document computes it in one step instead of once alone and once for the rest.
+# An idle engine handed a long prompt to compute waits this long for requests that arrive
+# with it (each arrival restarts the wait, up to COALESCE_LIMIT_SECONDS), so that a burst
+# sharing a document computes it in one step instead of once alone and once for the rest.
+# A prompt whose prefix is cached does not wait: there is little left to share.
 COALESCE_PROMPT_TOKENS = 256
 COALESCE_SECONDS = 0.005
 COALESCE_LIMIT_SECONDS = 0.05
@@ -295,7 +296,7 @@ class AsyncLLMEngine:
 
     def _drain_commands(self, adds_only: bool = False) -> int:
         """Run queued adds, aborts and calls, between steps, on the engine thread; publish
-        once, then answer their callers. The longest prompt added, in tokens. With
+        once, then answer their callers. The most prompt tokens an add left to compute. With
         ``adds_only``, other commands are held for the next drain."""
         settled, longest = [], 0
         for future, command in self._queued():
@@ -307,7 +308,7 @@ class AsyncLLMEngine:
             except Exception as failure:
                 settled.append((future, command, None, failure))
             if isinstance(command, AddRequest):
-                longest = max(longest, len(command.prompt_token_ids))
+                longest = max(longest, self._to_compute(command))
         if settled:
             self._publish()
         for future, command, result, error in settled:
@@ -315,6 +316,15 @@ class AsyncLLMEngine:
                 self._deliver(result)  # the aborted request's last snapshot
             _settle(future, result, error)
         return longest
+
+    def _to_compute(self, add: AddRequest) -> int:
+        """The prompt tokens an added request leaves to compute (0 if it was refused); a
+        short prompt's whole length, unlooked."""
+        if len(add.prompt_token_ids) < COALESCE_PROMPT_TOKENS:
+            return len(add.prompt_token_ids)
+        if add.request_id not in self.engine.requests:
+            return 0
+        return self.engine.uncached_tokens(add.request_id)
 
     def _execute(self, command: Command) -> object:
         """Carry out one command on the engine thread."""

@@ -401,6 +401,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def uncached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of a request just added that its prefix hit in the pool would
+        not cover now (what it would compute, unless the tier holds them)."""
+        request = self.requests[request_id]
+        prompt = request.prompt_token_ids
+        hit = self.manager.match(prompt, request.cache_salt, min_hit_tokens=request.min_hit_tokens)
+        return len(prompt) - hit
+
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One batch: schedule, forward, sample, postprocess; the requests that advanced."""
