@@ -198,13 +198,22 @@ inline __m256i pairs(__m256i w, __m256i w_abs, __m256i x) {
 }
 
 // The 8 sums of 4 products each of weight codes and activation codes (int16: 128 times the
-// high bytes' plus the low bytes'): lane i covers values 4i..4i+3.
+// high bytes' plus the low bytes'): lane i covers values 4i..4i+3. With VNNI one vpdpbusd
+// takes 4 products into each int32 lane (maddubs then madd without it): the same exact sums.
 template <bool Signed, int Bits>
 inline __m256 products(__m256i w, __m256i w_abs, __m256i x, __m256i x_low) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const __m256i u = Signed ? w_abs : w;  // unsigned weights, the activations signed to match
+  const auto matched = [&](__m256i a) { return Signed ? _mm256_sign_epi8(a, w) : a; };
+  const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, matched(x));
+  if constexpr (Bits == 8) return _mm256_cvtepi32_ps(high);
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_slli_epi32(high, 7), u, matched(x_low)));
+#else
   const __m256i high = _mm256_madd_epi16(pairs<Signed>(w, w_abs, x), _mm256_set1_epi16(Bits == 8 ? 1 : 128));
   if constexpr (Bits == 8) return _mm256_cvtepi32_ps(high);
   const __m256i low = _mm256_madd_epi16(pairs<Signed>(w, w_abs, x_low), _mm256_set1_epi16(1));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(high, low));
+#endif
 }
 
 // y[t, r] = W[r] . x^[t] for `Rows` activation rows and output rows [first, last): each group
