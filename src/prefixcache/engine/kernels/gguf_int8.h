@@ -197,17 +197,25 @@ inline __m256i pairs(__m256i w, __m256i w_abs, __m256i x) {
   return Signed ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// acc + the 8 sums of 4 products each of unsigned bytes u and signed bytes s (vpdpbusd).
+inline __m256i dot_bytes(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)  // the same instruction, VEX-encoded (AVX2 CPUs with AVX-VNNI)
+inline __m256i dot_bytes(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+
 // The 8 sums of 4 products each of weight codes and activation codes (int16: 128 times the
-// high bytes' plus the low bytes'): lane i covers values 4i..4i+3. With VNNI one vpdpbusd
-// takes 4 products into each int32 lane (maddubs then madd without it): the same exact sums.
+// high bytes' plus the low bytes'): lane i covers values 4i..4i+3. With VNNI (AVX512-VNNI or
+// AVX-VNNI) one vpdpbusd takes 4 products into each int32 lane (maddubs then madd without
+// it): the same exact sums.
 template <bool Signed, int Bits>
 inline __m256 products(__m256i w, __m256i w_abs, __m256i x, __m256i x_low) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   const __m256i u = Signed ? w_abs : w;  // unsigned weights, the activations signed to match
   const auto matched = [&](__m256i a) { return Signed ? _mm256_sign_epi8(a, w) : a; };
-  const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, matched(x));
+  const __m256i high = dot_bytes(_mm256_setzero_si256(), u, matched(x));
   if constexpr (Bits == 8) return _mm256_cvtepi32_ps(high);
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_slli_epi32(high, 7), u, matched(x_low)));
+  return _mm256_cvtepi32_ps(dot_bytes(_mm256_slli_epi32(high, 7), u, matched(x_low)));
 #else
   const __m256i high = _mm256_madd_epi16(pairs<Signed>(w, w_abs, x), _mm256_set1_epi16(Bits == 8 ? 1 : 128));
   if constexpr (Bits == 8) return _mm256_cvtepi32_ps(high);
