@@ -77,9 +77,7 @@ def fused_decode(
     layers = zip(kv_store.groups, model.layers, strict=True)
     views = [metadata.for_group(group, layer.window) for group, layer in layers]
     lone.refill(kv_store.layers, views)
-    distinct = {id(view): view for view in views}  # a group's layers share their view
-    rows_of = {key: kv_store.rows_of(view.slot_mapping) for key, view in distinct.items()}
-    rows = [rows_of[id(view)] for view in views]
+    rows = [kv_store.rows_of(view.slot_mapping) for view in views]  # memoized per mapping
     w = _weights(model)
     assert w is not None, "fused_decode on a model fused_applies refuses"
     torch.ops.prefixcache.decode_layers(
