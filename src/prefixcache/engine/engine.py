@@ -405,9 +405,7 @@ class LLMEngine:
         """The prompt tokens of a request just added that its prefix hit in the pool would
         not cover now (what it would compute, unless the tier holds them)."""
         request = self.requests[request_id]
-        prompt = request.prompt_token_ids
-        hit = self.manager.match(prompt, request.cache_salt, min_hit_tokens=request.min_hit_tokens)
-        return len(prompt) - hit
+        return len(request.prompt_token_ids) - self.scheduler.cached_tokens(request.branches[0])
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

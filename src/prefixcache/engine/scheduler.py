@@ -204,7 +204,7 @@ class Scheduler:
             if branch.arrival <= self._tried_arrivals:
                 continue
             if branch.uncached is None:  # arrived during the step: its hit, once
-                branch.uncached = len(branch.token_ids) - self._cached_tokens(branch)
+                branch.uncached = len(branch.token_ids) - self.cached_tokens(branch)
             if not self._is_long(branch, branch.uncached):
                 return True
         others = [b for b in self.running if b not in self.in_flight]
@@ -435,7 +435,7 @@ class Scheduler:
         branch keeps its count (``Branch.uncached``, for ``pending_prefill_tokens``)."""
         found = [(b, remaining(b)) for b in self.running if not is_decode(b)]
         for branch in self.waiting:
-            branch.uncached = len(branch.token_ids) - self._cached_tokens(branch)
+            branch.uncached = len(branch.token_ids) - self.cached_tokens(branch)
             found.append((branch, branch.uncached))
 
         def key(item: tuple[Branch, int]) -> tuple[int, ...]:
@@ -562,7 +562,7 @@ class Scheduler:
             return list(self.waiting)
         starving = [b for b in self.waiting if b.passed_over >= self.max_passed_over]
         rest = [b for b in self.waiting if b.passed_over < self.max_passed_over]
-        rest.sort(key=self._cached_tokens, reverse=True)  # stable: FCFS among equals
+        rest.sort(key=self.cached_tokens, reverse=True)  # stable: FCFS among equals
         return starving + rest
 
     def _count_passed_over(self, admitted: list[Branch]) -> None:
@@ -580,7 +580,8 @@ class Scheduler:
         waiting = (len(b.token_ids) if b.uncached is None else b.uncached for b in self.waiting)
         return running + sum(waiting)
 
-    def _cached_tokens(self, branch: Branch) -> int:
+    def cached_tokens(self, branch: Branch) -> int:
+        """Tokens of ``branch`` its prefix hit in the pool would cover now (changes nothing)."""
         request = branch.request
         return self.manager.match(
             branch.token_ids, request.cache_salt, min_hit_tokens=request.min_hit_tokens
