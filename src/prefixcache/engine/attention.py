@@ -186,8 +186,7 @@ class AttentionMetadata:
         share_limits = None
         if share_prefixes:
             min_blocks = MIN_SHARED_BLOCKS if min_shared_blocks is None else min_shared_blocks
-            if min_blocks < 1:
-                raise ValueError(f"min_shared_blocks must be positive, got {min_blocks}")
+            _check_min_blocks(min_blocks)  # now, though the groups are found on first use
             min_saved = MIN_SAVED_TOKENS if min_saved_tokens is None else min_saved_tokens
             share_limits = (min_blocks, cdiv(min_saved, block_size))
         lone = None
@@ -205,8 +204,7 @@ class AttentionMetadata:
 def _plan(metadata: AttentionMetadata) -> AttentionPlan:
     """The decode batch, prefills and cascade groups of ``metadata``'s batch."""
     query_lens, context_lens = metadata.query_lens, metadata.context_lens
-    tables = [list(t) for t in metadata.block_tables]
-    block_size, limits = metadata.block_size, metadata.share_limits
+    tables, block_size, limits = metadata.block_tables, metadata.block_size, metadata.share_limits
     groups: list[tuple[list[int], int]] = []
     if limits is not None:
         groups = find_shared_prefixes(query_lens, context_lens, tables, block_size, *limits)
@@ -283,7 +281,7 @@ def _positions_and_slots(
 def find_shared_prefixes(
     query_lens: list[int],
     context_lens: list[int],
-    block_tables: list[list[int]],
+    block_tables: Sequence[Sequence[int]],
     block_size: int,
     min_blocks: int = MIN_SHARED_BLOCKS,
     min_saved_blocks: int = 0,
@@ -295,8 +293,7 @@ def find_shared_prefixes(
     `(members - 1) * shared blocks`, >= `min_saved_blocks`. The choice saving the most
     block gathers in total wins.
     """
-    if min_blocks < 1:
-        raise ValueError(f"min_shared_blocks must be positive, got {min_blocks}")
+    _check_min_blocks(min_blocks)
     limits = (min_blocks, min_saved_blocks)
     usable = [(c - q) // block_size for q, c in zip(query_lens, context_lens, strict=True)]
     buckets: dict[int, list[int]] = {}
@@ -310,10 +307,16 @@ def find_shared_prefixes(
     return sorted(groups, key=lambda g: (len(g[0]) - 1) * g[1], reverse=True)
 
 
+def _check_min_blocks(min_blocks: int) -> None:
+    """ValueError unless a cascade group's minimum of shared blocks is positive."""
+    if min_blocks < 1:
+        raise ValueError(f"min_shared_blocks must be positive, got {min_blocks}")
+
+
 def _best_groups(
     members: list[int],
     depth: int,
-    tables: list[list[int]],
+    tables: Sequence[Sequence[int]],
     usable: list[int],
     limits: tuple[int, int],
 ) -> tuple[int, list[tuple[list[int], int]]]:
@@ -344,7 +347,7 @@ def _best_groups(
     return saved, ([(members, common)] if saved else [])
 
 
-def _common_blocks(a: list[int], b: list[int], start: int, stop: int) -> int:
+def _common_blocks(a: Sequence[int], b: Sequence[int], start: int, stop: int) -> int:
     """Length of the common leading run of `a` and `b`, known equal before `start`, <= `stop`."""
     if a[start:stop] == b[start:stop]:
         return max(start, stop)
@@ -360,7 +363,7 @@ class _Parts:
 
     query_lens: list[int]
     context_lens: list[int]
-    tables: list[list[int]]
+    tables: Sequence[Sequence[int]]
     block_size: int
     starts: list[int]
     key_starts: list[int]
